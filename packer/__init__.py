@@ -1,0 +1,51 @@
+"""packer: pack an image folder into LMDB, HDF5 or WebDataset shards, and read it back fast.
+
+Public API (imported lazily, so ``packer pack`` does not pay for torch until it needs it)::
+
+    packer.pack(src, dest, format="lmdb", ...)      # convert; returns the manifest
+    packer.open_dataset(dest, transform=None)       # the format's Dataset
+    packer.LmdbDataset, Hdf5Dataset, WdsDataset, FolderDataset
+    packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
+    packer.to_device(loader, "cuda", normalize=(mean, std))
+    packer.stream(dest, batch_size)                 # WebDataset streaming through the webdataset library
+    packer.PackerError                              # base of every error packer raises
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "pack": "packer.convert",
+    "open_dataset": "packer.formats",
+    "read_manifest": "packer.manifest",
+    "LmdbDataset": "packer.formats.lmdb",
+    "Hdf5Dataset": "packer.formats.hdf5",
+    "WdsDataset": "packer.formats.wds",
+    "stream": "packer.formats.wds",
+    "FolderDataset": "packer.folder",
+    "make_loader": "packer.loader",
+    "to_device": "packer.loader",
+    "scan_folder": "packer.scan",
+    "PackerError": "packer.errors",
+    "SourceError": "packer.errors",
+    "ImageError": "packer.errors",
+    "DestinationError": "packer.errors",
+    "IncompleteDatasetError": "packer.errors",
+    "ManifestError": "packer.errors",
+    "CorruptDataError": "packer.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'packer' has no attribute {name!r}")

@@ -1,0 +1,160 @@
+"""The ``packer`` command: a thin click layer over the Python API.
+
+Every :class:`PackerError` becomes one line on stderr and a non-zero exit code, never a traceback; Ctrl-C
+exits with 130.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+
+import click
+
+from . import __version__
+from .errors import PackerError
+from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+              "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_bytes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in SIZE_UNITS:
+        raise click.BadParameter(f"{text!r} is not a size like 256MB")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+
+
+def floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def handle_errors(fn):
+    """Print packer's errors as one line and exit with their code; Ctrl-C exits 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PackerError as exc:
+            click.echo(f"packer: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except ValueError as exc:
+            click.echo(f"packer: error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("packer: interrupted; nothing was finished. Run the same command again (with --overwrite "
+                       "for a half-written destination) to start over.", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(__version__, prog_name="packer")
+def main() -> None:
+    """Pack an image folder into LMDB, HDF5 or WebDataset shards, read it back fast, and measure it."""
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dest", type=click.Path(path_type=str))
+@click.option("--format", "format_", type=click.Choice(["lmdb", "hdf5", "wds"]), required=True,
+              help="Output format.")
+@click.option("--store", type=click.Choice(STORES), default=None,
+              help="original: the file's bytes (default without resize/crop); jpeg: re-encode (default when "
+                   "resizing); png: lossless; raw: decoded uint8 pixels, the fastest to load.")
+@click.option("--resize", default=None, help="N: shorter side to N (aspect kept); WxH: exact size.")
+@click.option("--max-size", type=int, default=None, help="Cap the longer side at N; never upscales.")
+@click.option("--center-crop", default=None, help="N or WxH: crop the centre after the resize.")
+@click.option("--interpolation", type=click.Choice(list(INTERPOLATIONS)), default="bilinear", show_default=True)
+@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality.")
+@click.option("--mode", type=click.Choice(["RGB", "L"]), default="RGB", show_default=True,
+              help="RGB as ImageFolder, or L to keep one channel.")
+@click.option("--exif-transpose", is_flag=True, help="Apply the EXIF orientation (ImageFolder does not).")
+@click.option("--normalize", is_flag=True, help="Store (x/255 - mean)/std as float arrays (store raw).")
+@click.option("--mean", type=floats, default="0.485,0.456,0.406", show_default=True)
+@click.option("--std", type=floats, default="0.229,0.224,0.225", show_default=True)
+@click.option("--dtype", type=click.Choice(["float16", "float32"]), default=None,
+              help="Dtype of normalized arrays (default float16).")
+@click.option("--workers", type=click.IntRange(1), default=None, help="Worker processes (default: all cores).")
+@click.option("--shuffle/--no-shuffle", default=None,
+              help="Shuffle the sample order (default: on for wds, off for lmdb and hdf5).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shard-size", default=None, help="WebDataset: bytes per shard at most, e.g. 256MB.")
+@click.option("--shard-samples", type=click.IntRange(1), default=None, help="WebDataset: samples per shard.")
+@click.option("--strict", is_flag=True, help="Stop at the first unreadable image instead of skipping it.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing packer dataset at DEST.")
+@click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
+@click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="Refuse images with more pixels (decompression bombs).")
+@click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
+@handle_errors
+def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation, quality, mode, exif_transpose,
+         normalize, mean, std, dtype, workers, shuffle, seed, shard_size, shard_samples, strict, overwrite,
+         include_hidden, max_pixels, quiet) -> None:
+    """Convert the image folder SRC (SRC/<class>/**/<image>) into a dataset in DEST."""
+    from .convert import pack as run_pack
+
+    manifest = run_pack(src, dest, format_, store=store, resize=resize, max_size=max_size, center_crop=center_crop,
+                        interpolation=interpolation, quality=quality, mode=mode, exif_transpose=exif_transpose,
+                        normalize=normalize, mean=mean, std=std, dtype=dtype, workers=workers, shuffle=shuffle,
+                        seed=seed, shard_size=parse_bytes(shard_size), shard_samples=shard_samples,
+                        strict=strict, overwrite=overwrite, include_hidden=include_hidden,
+                        max_pixels=max_pixels, progress=not quiet)
+    click.echo(summary_line(dest, manifest))
+
+
+def summary_line(dest: str, manifest: dict) -> str:
+    size = sum(f["bytes"] for f in manifest["files"])
+    skipped = f", {len(manifest['skipped'])} skipped" if manifest.get("skipped") else ""
+    return (f"{dest}: {manifest['count']} images, {len(manifest['classes'])} classes, {manifest['format']} "
+            f"({manifest['store']}), {size / 1e6:.1f} MB in {len(manifest['files'])} files{skipped}")
+
+
+@main.command()
+@click.argument("dest", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@handle_errors
+def info(dest, as_json) -> None:
+    """Summarise the packed dataset DEST."""
+    from .manifest import read_manifest
+
+    manifest = read_manifest(dest)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=1, ensure_ascii=False))
+        return
+    t = manifest["transform"]
+    lines = [summary_line(dest, manifest),
+             f"  packed by packer {manifest.get('packer_version')} on {manifest.get('created')} from "
+             f"{manifest.get('source', {}).get('root')}",
+             f"  classes: {', '.join(manifest['classes'][:20])}{' ...' if len(manifest['classes']) > 20 else ''}",
+             f"  store {t['store']}, mode {t['mode']}, dtype {manifest.get('dtype')}, shape "
+             f"{manifest.get('shape') or 'varies'}"]
+    geometry = [f"{k}={t[k]}" for k in ("resize", "max_size", "center_crop") if t.get(k)]
+    if geometry:
+        lines.append(f"  transform: {', '.join(geometry)}, interpolation {t['interpolation']}")
+    if t.get("normalize"):
+        lines.append(f"  normalized: mean {t['mean']}, std {t['std']}")
+    if manifest.get("shards"):
+        counts = [s["count"] for s in manifest["shards"]]
+        lines.append(f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each")
+    order = manifest.get("order", {})
+    lines.append(f"  order: {'shuffled, seed ' + str(order.get('seed')) if order.get('shuffle') else 'scan order'}")
+    for entry in manifest.get("skipped", []):
+        lines.append(f"  skipped {entry['path']}: {entry['error']}")
+    if manifest.get("hidden_skipped"):
+        lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
+    click.echo("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

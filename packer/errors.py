@@ -1,0 +1,42 @@
+"""The errors packer raises. Every one carries a one-line message that names the file and says what to do."""
+
+from __future__ import annotations
+
+
+class PackerError(Exception):
+    """Base class: the CLI prints ``str(error)`` on one line and exits non-zero, with no traceback."""
+
+    exit_code = 1
+
+
+class SourceError(PackerError):
+    """The source folder is missing, empty, or not an image folder."""
+
+    exit_code = 2
+
+
+class ImageError(PackerError):
+    """One source image could not be read or decoded."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class DestinationError(PackerError):
+    """The destination exists and is not empty, or cannot be written."""
+
+    exit_code = 2
+
+
+class IncompleteDatasetError(PackerError):
+    """The destination has no manifest: its conversion did not finish."""
+
+
+class ManifestError(PackerError):
+    """The manifest is malformed, or from a newer packer."""
+
+
+class CorruptDataError(PackerError):
+    """A packed data file or record does not match what the manifest says."""

@@ -1,0 +1,161 @@
+"""HDF5: one file, ``DEST/data.h5``, laid out so that readers can memory-map it.
+
+Datasets (all contiguous, uncompressed, readable by plain h5py and ``h5dump``):
+
+- ``images``: raw images of a fixed shape as one ``(N, H, W, C)`` array; otherwise one ``uint8`` blob of every
+  payload end to end, with ``offsets`` (``int64``, N+1) giving sample ``i`` as ``images[offsets[i]:offsets[i+1]]``;
+- ``shapes`` (``uint16``, N x 3): each image's (H, W, C);
+- ``labels`` (``int64``), ``crc32`` (``uint32``, of each payload), ``relpaths`` (UTF-8 strings).
+
+During conversion payloads stream into a temporary blob file; ``close`` copies it into a contiguous dataset of
+the final size (HDF5 cannot grow a dataset without chunking it, and chunks cannot be memory-mapped).
+"""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..errors import CorruptDataError
+from ..manifest import file_entry
+from ..transforms import Encoded
+from .base import PackedDataset, Sample, Writer, register
+
+FILENAME = "data.h5"
+COPY_BYTES = 64 << 20
+
+
+class Hdf5Writer(Writer):
+    def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
+        super().__init__(dest, spec, expected_count, options)
+        self.blob_path = dest / (FILENAME + ".blob.tmp")
+        self.paths_path = dest / (FILENAME + ".paths.tmp")
+        self.blob = open(self.blob_path, "wb")
+        self.paths = open(self.paths_path, "wb")
+        self.offsets = array("q", [0])
+        self.labels = array("q")
+        self.crcs = array("L")
+        self.shapes = array("H")
+
+    def write(self, label: int, relpath: str, item: Encoded) -> None:
+        self.blob.write(item.payload)
+        self.paths.write(relpath.encode("utf-8") + b"\0")
+        self.offsets.append(self.offsets[-1] + len(item.payload))
+        self.labels.append(label)
+        self.crcs.append(item.crc32)
+        self.shapes.extend(item.shape)
+        self.count += 1
+
+    def close(self) -> dict[str, Any]:
+        self.blob.close()
+        self.paths.close()
+        n = self.count
+        shape = self.spec.fixed_shape
+        blob = np.memmap(self.blob_path, dtype=np.uint8, mode="r") if self.offsets[-1] else np.zeros(0, np.uint8)
+        path = self.dest / FILENAME
+        with h5py.File(path, "w", libver="earliest") as f:
+            if self.spec.store == "raw" and shape:
+                dtype = np.dtype(self.spec.dtype)
+                images = f.create_dataset("images", (n, *shape), dtype=dtype)
+                per = int(np.prod(shape)) * dtype.itemsize
+                step = max(1, COPY_BYTES // per)
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    images[a:b] = np.frombuffer(blob[a * per:b * per], dtype=dtype).reshape(b - a, *shape)
+            else:
+                images = f.create_dataset("images", (len(blob),), dtype=np.uint8)
+                for a in range(0, len(blob), COPY_BYTES):
+                    images[a:a + COPY_BYTES] = blob[a:a + COPY_BYTES]
+                f.create_dataset("offsets", data=np.frombuffer(self.offsets, dtype=np.int64))
+            f.create_dataset("shapes", data=np.frombuffer(self.shapes, dtype=np.uint16).reshape(n, 3))
+            f.create_dataset("labels", data=np.frombuffer(self.labels, dtype=np.int64))
+            f.create_dataset("crc32", data=np.frombuffer(self.crcs, dtype=np.uint32))
+            relpaths = self.paths_path.read_bytes().split(b"\0")[:-1]
+            f.create_dataset("relpaths", data=np.array(relpaths, dtype=object), dtype=h5py.string_dtype("utf-8"))
+            f.attrs["packer_store"] = self.spec.store
+            f.attrs["packer_dtype"] = self.spec.dtype
+        del blob
+        self.blob_path.unlink()
+        self.paths_path.unlink()
+        return {"files": [file_entry(self.dest, FILENAME)]}
+
+    def abort(self) -> None:
+        self.blob.close()
+        self.paths.close()
+
+
+def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
+    """A read-only memory map of a contiguous dataset, or its values read into memory if it is not one."""
+    offset = dataset.id.get_offset()
+    if offset is None or dataset.chunks is not None or dataset.compression is not None:
+        return dataset[()]
+    if dataset.size == 0:
+        return np.zeros(dataset.shape, dataset.dtype)
+    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+
+
+class Hdf5Dataset(PackedDataset):
+    """Reads an HDF5 dataset. Each process opens the file lazily, memory-maps ``images``, ``offsets``,
+    ``shapes``, ``labels`` and ``crc32`` at their file offsets, and reads them with numpy, not per sample
+    through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
+    filesystems; the file is never written after packing."""
+
+    def __init__(self, root, locking: bool = False, **kwargs):
+        super().__init__(root, **kwargs)
+        self.locking = locking
+        self._count = int(self.manifest["count"])
+        self.path = self.root / FILENAME
+        self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _handles(self) -> tuple[str, ...]:
+        return ("file", "images", "offsets", "shapes", "labels", "crcs")
+
+    def _open(self) -> None:
+        try:
+            self.file = h5py.File(self.path, "r", locking=self.locking)
+            self.images = _memmap(self.path, self.file["images"])
+            self.offsets = _memmap(self.path, self.file["offsets"]) if "offsets" in self.file else None
+            self.shapes = _memmap(self.path, self.file["shapes"])
+            self.labels = _memmap(self.path, self.file["labels"])
+            self.crcs = _memmap(self.path, self.file["crc32"])
+        except (OSError, KeyError, ValueError) as exc:
+            raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+        if len(self.labels) != self._count:
+            raise CorruptDataError(f"{self.path}: holds {len(self.labels)} samples, the manifest says "
+                                   f"{self._count}; run `packer verify`")
+
+    def _read(self, index: int) -> Sample:
+        if self.offsets is None:
+            payload = memoryview(self.images[index]).cast("B")
+        else:
+            a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+            if not 0 <= a <= b <= len(self.images):
+                raise CorruptDataError(f"{self._describe(index)}: offsets out of range; run `packer verify`")
+            payload = memoryview(self.images[a:b])
+        h, w, c = (int(x) for x in self.shapes[index])
+        return Sample(payload, int(self.labels[index]), (h, w, c), int(self.crcs[index]))
+
+    def gather_raw(self, indices: list[int], out: np.ndarray) -> bool:
+        """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""
+        if self.offsets is not None or self.resize or self.center_crop or self.verify:
+            return False
+        np.take(self.images, indices, axis=0, out=out)
+        return True
+
+    def relpath(self, index: int) -> str:
+        index = self._check_index(index)
+        self._ensure_open()
+        return self.file["relpaths"].asstr()[index]
+
+    def _describe(self, index: int) -> str:
+        return f"{self.path} sample {index}"
+
+
+register("hdf5", Hdf5Writer, Hdf5Dataset)

@@ -1,0 +1,198 @@
+"""LMDB: one environment in DEST (``data.mdb``), one record per sample.
+
+Keys are the sample index as 10 ASCII digits (``b"0000000042"``), written in order with ``append=True``.
+Values are a 24-byte little-endian header, the relative path (UTF-8), then the payload; nothing is pickled:
+
+    offset size  field
+    0      4     magic b"PKR1"
+    4      4     label (int32)
+    8      4     crc32 of the payload (uint32)
+    12     2     height (uint16)
+    14     2     width (uint16)
+    16     1     channels (uint8)
+    17     1     reserved (0)
+    18     2     length of the relative path in bytes (uint16)
+    20     4     length of the payload in bytes (uint32)
+
+The payload is the encoded image (original/jpeg/png) or the raw pixels, C-order (H, W, C), of the manifest's
+dtype. Plain py-lmdb reads it: ``lmdb.open(DEST, readonly=True, lock=False)``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ..errors import CorruptDataError, PackerError
+from ..manifest import file_entry
+from ..transforms import Encoded
+from .base import PackedDataset, Sample, Writer, register
+
+HEADER = struct.Struct("<4siIHHBBHI")
+MAGIC = b"PKR1"
+KEY_DIGITS = 10
+
+
+def key(index: int) -> bytes:
+    return b"%010d" % index
+
+
+def pack_record(label: int, relpath: str, item: Encoded) -> bytes:
+    path = relpath.encode("utf-8")
+    h, w, c = item.shape
+    return HEADER.pack(MAGIC, label, item.crc32, h, w, c, 0, len(path), len(item.payload)) + path + item.payload
+
+
+def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sample, str]:
+    """Split a record into its sample and relative path; any malformed record is a :class:`CorruptDataError`."""
+    view = memoryview(value)
+    if len(view) < HEADER.size:
+        raise CorruptDataError(f"{where}: record is {len(view)} bytes, shorter than its header; re-pack")
+    magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptDataError(f"{where}: record header is damaged (bad magic); re-pack")
+    if HEADER.size + path_len + size != len(view):
+        raise CorruptDataError(f"{where}: record length does not match its header; re-pack")
+    start = HEADER.size + path_len
+    try:
+        relpath = bytes(view[HEADER.size:start]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptDataError(f"{where}: record path is not UTF-8; the record is damaged, re-pack") from None
+    return Sample(view[start:], label, (h, w, c), crc), relpath
+
+
+class LmdbWriter(Writer):
+    COMMIT_BYTES = 256 << 20
+    COMMIT_SAMPLES = 2000
+
+    def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
+        super().__init__(dest, spec, expected_count, options)
+        map_size = max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5))
+        self.env = lmdb.open(str(dest), map_size=map_size, subdir=True, meminit=False, sync=False,
+                             metasync=False, map_async=False, readahead=False, max_dbs=0)
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.pending_bytes = 0
+
+    def write(self, label: int, relpath: str, item: Encoded) -> None:
+        value = pack_record(label, relpath, item)
+        self.pending.append((key(self.count), value))
+        self.pending_bytes += len(value)
+        self.count += 1
+        if len(self.pending) >= self.COMMIT_SAMPLES or self.pending_bytes >= self.COMMIT_BYTES:
+            self._commit()
+
+    def _commit(self) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, v in self.pending:
+                        if not txn.put(k, v, append=True):
+                            raise PackerError(f"{self.dest}: LMDB refused key {k.decode()} (out of order)")
+                break
+            except lmdb.MapFullError:
+                # The map is only address space on Linux: double it and redo the transaction.
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+        self.pending.clear()
+        self.pending_bytes = 0
+
+    def close(self) -> dict[str, Any]:
+        self._commit()
+        self.env.sync(True)
+        self.env.close()
+        lock = self.dest / "lock.mdb"
+        if lock.exists():
+            lock.unlink()  # readers open with lock=False; the lock file is only the writer's
+        return {"files": [file_entry(self.dest, "data.mdb")]}
+
+    def abort(self) -> None:
+        self.env.close()
+
+
+_ENVS: dict[str, lmdb.Environment] = {}
+_generation = 0
+
+
+def _close_before_fork() -> None:
+    """LMDB environments must not cross a fork, and py-lmdb refuses to open in a child a path its parent holds
+    open. So every environment is closed before a fork; datasets reopen theirs, lazily, on both sides."""
+    global _generation
+    for env in _ENVS.values():
+        env.close()
+    _ENVS.clear()
+    _generation += 1
+
+
+os.register_at_fork(before=_close_before_fork)
+
+
+def _shared_env(root: Path, readahead: bool) -> lmdb.Environment:
+    """py-lmdb refuses to open one path twice in a process, so datasets on the same path share this process's
+    environment (read-only, so sharing is safe)."""
+    cache_key = os.path.realpath(root)
+    if cache_key not in _ENVS:
+        try:
+            _ENVS[cache_key] = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead, meminit=False,
+                                         max_spare_txns=1, subdir=True)
+        except lmdb.Error as exc:
+            raise CorruptDataError(f"{root / 'data.mdb'}: cannot open LMDB ({exc}); run `packer verify`") from None
+    return _ENVS[cache_key]
+
+
+class LmdbDataset(PackedDataset):
+    """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
+    ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
+
+    ``readahead`` (default False) lets the OS read ahead in the map; turn it on for sequential reads of a
+    dataset that fits in RAM."""
+
+    def __init__(self, root, readahead: bool = False, **kwargs):
+        super().__init__(root, **kwargs)
+        self.readahead = readahead
+        self._count = int(self.manifest["count"])
+        self.env = None
+        self.txn = None
+        self._generation = -1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _handles(self) -> tuple[str, ...]:
+        return ("env", "txn")
+
+    def _open(self) -> None:
+        self.env = _shared_env(self.root, self.readahead)
+        self.txn = self.env.begin(buffers=True)
+        self._generation = _generation
+
+    def _ensure_open(self) -> None:
+        if self._pid is not None and self._generation != _generation:
+            self._pid = None  # a fork closed this process's environments
+        super()._ensure_open()
+
+    def _get(self, index: int) -> tuple[Sample, str]:
+        where = self._describe(index)
+        try:
+            value = self.txn.get(key(index))
+        except lmdb.Error as exc:
+            raise CorruptDataError(f"{where}: LMDB read failed ({exc}); run `packer verify`") from None
+        if value is None:
+            raise CorruptDataError(f"{where}: record missing; the dataset is damaged, re-pack")
+        return unpack_record(value, where)
+
+    def _read(self, index: int) -> Sample:
+        return self._get(index)[0]
+
+    def relpath(self, index: int) -> str:
+        index = self._check_index(index)
+        self._ensure_open()
+        return self._get(index)[1]
+
+    def _describe(self, index: int) -> str:
+        return f"{self.root / 'data.mdb'} sample {index}"
+
+
+register("lmdb", LmdbWriter, LmdbDataset)

@@ -1,0 +1,105 @@
+"""``manifest.json``: the one file every format shares, written last, which makes a folder a dataset.
+
+It is plain JSON (nothing in it is evaluated). Top-level keys:
+
+``format``, ``format_version``, ``packer_version``, ``created``, ``source`` (root, image count, bytes),
+``count``, ``classes``, ``class_to_idx``, ``transform`` (store, resize, crop, normalize... see
+:class:`packer.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
+(shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
+and sha256), ``shards`` (WebDataset: per-shard sample counts), ``skipped`` (unreadable files with their error),
+``hidden_skipped``, ``empty_classes`` and ``scan_errors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .errors import IncompleteDatasetError, ManifestError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,
+            "transform": dict, "files": list}
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(dest: Path, name: str) -> dict:
+    path = dest / name
+    return {"path": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(dest: str | os.PathLike, manifest: dict) -> None:
+    write_json_atomic(Path(dest) / MANIFEST, manifest)
+
+
+def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
+    """Parse and check a manifest; anything malformed is a :class:`ManifestError` naming ``where``."""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc}); the dataset is damaged, re-pack it") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: not a packer manifest (expected a JSON object)")
+    for key, kind in REQUIRED.items():
+        if not isinstance(data.get(key), kind) or (kind is int and isinstance(data.get(key), bool)):
+            raise ManifestError(f"{where}: missing or malformed {key!r}; the dataset is damaged, re-pack it")
+    if data["format_version"] > FORMAT_VERSION:
+        raise ManifestError(f"{where}: format version {data['format_version']} is newer than this packer reads "
+                            f"({FORMAT_VERSION}); upgrade packer (pip install -U packer)")
+    classes = data["classes"]
+    if (data["count"] < 0 or not all(isinstance(c, str) for c in classes)
+            or data["class_to_idx"] != {c: i for i, c in enumerate(classes)}):
+        raise ManifestError(f"{where}: classes, class_to_idx or count are inconsistent; re-pack the dataset")
+    for entry in data["files"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
+                and _is_safe_relpath(entry["path"])):
+            raise ManifestError(f"{where}: malformed entry in 'files'; the dataset is damaged, re-pack it")
+    return data
+
+
+def _is_safe_relpath(name: str) -> bool:
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and ".." not in parts and "\\" not in name
+
+
+def read_manifest(dest: str | os.PathLike) -> dict:
+    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish."""
+    dest = Path(dest)
+    path = dest / MANIFEST
+    if not dest.is_dir():
+        raise IncompleteDatasetError(f"{dest}: no such dataset folder; pack one with `packer pack SRC {dest}`")
+    if not path.exists():
+        raise IncompleteDatasetError(
+            f"{dest}: no {MANIFEST}, so its conversion did not finish; run the same `packer pack` command with "
+            "--resume to finish it, or with --overwrite to start again")
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read ({exc.strerror})") from None
+    return parse_manifest(text, str(path))

@@ -1,0 +1,269 @@
+"""Image decoding and the offline transforms: resize, centre crop, normalize, encode.
+
+The same functions serve the converter (offline) and the readers (``resize``/``center_crop`` at read time), so a
+transform gives the same pixels wherever it runs. Semantics follow torchvision on PIL images:
+
+- ``resize=N`` scales the shorter side to N, keeping the aspect ratio (``Resize(N)``); ``resize=(W, H)`` is exact;
+- ``max_size=N`` caps the longer side at N and never upscales (with ``resize=N`` it is ``Resize(N, max_size=N)``);
+- ``center_crop`` crops the centre after the resize, padding with zeros where the image is smaller
+  (``CenterCrop``);
+- interpolation is Pillow's, antialiased when downscaling, bilinear by default.
+
+Decoding converts to RGB as ImageFolder's ``pil_loader`` does (``--mode L`` keeps one channel). JPEGs in YCbCr or
+grayscale are decoded with simplejpeg (libjpeg-turbo), which gives the same pixels as Pillow about three times as
+fast; every other image goes through Pillow.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import simplejpeg
+from PIL import Image, ImageOps
+
+from .errors import ImageError
+
+INTERPOLATIONS = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+    "box": Image.Resampling.BOX,
+    "hamming": Image.Resampling.HAMMING,
+}
+STORES = ("original", "jpeg", "png", "raw")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Pillow's own decompression-bomb threshold (about 9459 x 9459): larger images are refused, not decoded.
+DEFAULT_MAX_PIXELS = 89_478_485
+# The image extension a stored member gets, by Pillow format; WebDataset decoders key on these.
+EXTENSION_BY_FORMAT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tif", "PPM": "ppm"}
+
+Size = tuple[int, int]  # (width, height), as Pillow orders them
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """Everything that decides the stored bytes of one image. Recorded in the manifest."""
+
+    store: str = "original"
+    resize: int | Size | None = None
+    max_size: int | None = None
+    center_crop: Size | None = None
+    interpolation: str = "bilinear"
+    mode: str = "RGB"
+    exif_transpose: bool = False
+    quality: int = 90
+    normalize: bool = False
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    dtype: str = "uint8"
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        if self.normalize and self.dtype == "uint8":
+            object.__setattr__(self, "dtype", "float16")
+        if self.dtype not in ("uint8", "float16", "float32") or (self.dtype != "uint8") != self.normalize:
+            raise ValueError("dtype is uint8, or float16/float32 with normalize")
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}, not {self.store!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}")
+        if self.mode not in ("RGB", "L"):
+            raise ValueError("mode must be RGB or L")
+        if self.store == "original" and self.changes_pixels:
+            raise ValueError("store='original' keeps the file's bytes, so it cannot resize, crop, normalize or "
+                             "change the mode; choose store jpeg, png or raw")
+        if self.normalize and self.store != "raw":
+            raise ValueError("normalize stores float arrays, so it needs store='raw'")
+        if not 1 <= self.quality <= 100:
+            raise ValueError("quality must be between 1 and 100")
+
+    @property
+    def changes_pixels(self) -> bool:
+        return bool(self.resize or self.max_size or self.center_crop or self.normalize or self.mode != "RGB"
+                    or self.exif_transpose)
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.mode == "L" else 3
+
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, C) when every stored image has it: an exact resize or a centre crop."""
+        size = self.center_crop or (self.resize if isinstance(self.resize, tuple) else None)
+        return (size[1], size[0], self.channels) if size else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransformSpec:
+        d = dict(d)
+        for key in ("resize", "center_crop"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
+        for key in ("mean", "std"):
+            d[key] = tuple(d.get(key, getattr(cls, key)))
+        return cls(**d)
+
+
+@dataclass
+class Encoded:
+    """One converted image: the payload to store, and what a reader needs to know about it."""
+
+    payload: bytes
+    ext: str  # the member extension: jpg, png, ..., or npy-less "raw" for arrays
+    shape: tuple[int, int, int]  # (H, W, C) of the decoded image
+    crc32: int = field(default=0)
+
+
+def parse_size(text: str | int | None) -> int | Size | None:
+    """``"256"`` -> 256; ``"320x240"`` -> (320, 240) as (width, height)."""
+    if text is None or isinstance(text, int):
+        return text
+    text = str(text).lower().strip()
+    if "x" in text:
+        w, h = text.split("x", 1)
+        return int(w), int(h)
+    return int(text)
+
+
+def output_size(width: int, height: int, resize: int | Size | None, max_size: int | None) -> Size:
+    """The (W, H) that ``resize``/``max_size`` give an image of ``width`` x ``height`` (torchvision's rules)."""
+    if isinstance(resize, tuple):
+        return resize
+    if resize:
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = resize, int(resize * long / short)
+        if max_size is not None and new_long > max_size:
+            new_short, new_long = int(max_size * new_short / new_long), max_size
+        return (new_short, new_long) if width <= height else (new_long, new_short)
+    if max_size and max(width, height) > max_size:
+        scale = max_size / max(width, height)
+        return (max_size, int(height * scale)) if width >= height else (int(width * scale), max_size)
+    return width, height
+
+
+def center_crop(img: Image.Image, size: Size) -> Image.Image:
+    """torchvision ``CenterCrop``: pad with zeros where the image is smaller, then crop the centre."""
+    crop_w, crop_h = size
+    w, h = img.size
+    if crop_w > w or crop_h > h:
+        left = (crop_w - w) // 2 if crop_w > w else 0
+        top = (crop_h - h) // 2 if crop_h > h else 0
+        padded = Image.new(img.mode, (max(w, crop_w), max(h, crop_h)))
+        padded.paste(img, (left, top))
+        img, (w, h) = padded, padded.size
+    top = int(round((h - crop_h) / 2.0))
+    left = int(round((w - crop_w) / 2.0))
+    return img.crop((left, top, left + crop_w, top + crop_h))
+
+
+def apply_geometry(img: Image.Image, resize: int | Size | None = None, max_size: int | None = None,
+                   crop: Size | None = None, interpolation: str = "bilinear") -> Image.Image:
+    """Resize, then centre-crop, a PIL image."""
+    size = output_size(img.width, img.height, resize, max_size)
+    if size != img.size:
+        img = img.resize(size, INTERPOLATIONS[interpolation])
+    if crop:
+        img = center_crop(img, crop)
+    return img
+
+
+def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Open and fully decode ``data`` with Pillow, refusing decompression bombs; errors name ``name``."""
+    if not data:
+        raise ImageError(name, "empty file (0 bytes); remove it or restore the image")
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > max_pixels:
+            raise ImageError(name, f"{img.width}x{img.height} is over the {max_pixels:,}-pixel limit "
+                                   "(a decompression bomb?); raise --max-pixels if the image is genuine")
+        img.load()
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageError(name, f"{exc}; raise --max-pixels if the image is genuine") from None
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...) for bad files
+        raise ImageError(name, f"cannot decode image ({exc}); remove or replace the file") from None
+    return img
+
+
+def _jpeg_colorspace(data: bytes | memoryview) -> str | None:
+    if data[:2] != b"\xff\xd8":
+        return None
+    try:
+        return simplejpeg.decode_jpeg_header(data)[2]
+    except ValueError:
+        return None
+
+
+def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
+           max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+    """Decode encoded image bytes to a uint8 (H, W, C) array, as ImageFolder's loader would."""
+    if _jpeg_colorspace(data) in ("YCbCr", "Gray"):
+        try:
+            h, w = simplejpeg.decode_jpeg_header(data)[:2]
+            if h * w > max_pixels:
+                raise ImageError(name, f"{w}x{h} is over the {max_pixels:,}-pixel limit; raise --max-pixels")
+            out = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB")
+            return out if out.ndim == 3 else out[:, :, None]
+        except ValueError as exc:
+            raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
+    img = open_image(bytes(data), name, max_pixels).convert(mode)
+    arr = np.asarray(img)
+    return arr if arr.ndim == 3 else arr[:, :, None]
+
+
+def to_pil(array: np.ndarray) -> Image.Image:
+    return Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
+
+
+def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
+    """Read the source file at ``path`` and produce what gets stored for it (``name`` is used in errors)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ImageError(name, f"cannot read file: {exc.strerror}; check its permissions") from None
+    return convert_bytes(data, name, spec)
+
+
+def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
+    if spec.store == "original":
+        pixels = decode(data, spec.mode, name, spec.max_pixels)  # proves the file decodes; the bytes stay as they are
+        fmt = Image.open(io.BytesIO(data)).format
+        ext = EXTENSION_BY_FORMAT.get(fmt, name.rsplit(".", 1)[-1].lower())
+        return Encoded(data, ext, pixels.shape, zlib.crc32(data))
+    img = open_image(data, name, spec.max_pixels)
+    if spec.exif_transpose:
+        img = ImageOps.exif_transpose(img)
+    img = apply_geometry(img.convert(spec.mode), spec.resize, spec.max_size, spec.center_crop, spec.interpolation)
+    shape = (img.height, img.width, spec.channels)
+    if spec.store == "raw":
+        arr = np.asarray(img)
+        if spec.normalize:
+            arr = normalize(arr.reshape(shape), spec.mean, spec.std, spec.dtype)
+        payload = np.ascontiguousarray(arr).tobytes()
+        return Encoded(payload, "raw", shape, zlib.crc32(payload))
+    buf = io.BytesIO()
+    if spec.store == "jpeg":
+        img.save(buf, "JPEG", quality=spec.quality)
+        ext = "jpg"
+    else:
+        img.save(buf, "PNG")
+        ext = "png"
+    payload = buf.getvalue()
+    return Encoded(payload, ext, shape, zlib.crc32(payload))
+
+
+def normalize(array: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], dtype: str) -> np.ndarray:
+    """``(x / 255 - mean) / std`` per channel, computed in float32, stored as ``dtype``."""
+    x = array.astype(np.float32) / np.float32(255)
+    m = np.asarray(mean, dtype=np.float32)[: array.shape[2]]
+    s = np.asarray(std, dtype=np.float32)[: array.shape[2]]
+    return ((x - m) / s).astype(dtype)
