@@ -174,6 +174,22 @@ def apply_geometry(img: Image.Image, resize: int | Size | None = None, max_size:
     return img
 
 
+def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
+                interpolation: str = "bilinear") -> Image.Image:
+    """Resize then centre-crop, fused: only the region that survives the crop is resampled, about twice as fast
+    as :func:`apply_geometry`. Rounding in the resampling can make a pixel differ from it by one level, so the
+    converter and ``decoder="pil"`` use :func:`apply_geometry`; every packed reader and FolderDataset use this
+    one by default, so they agree with each other exactly."""
+    w, h = img.size
+    rw, rh = output_size(w, h, resize, None)
+    if not crop or crop[0] > rw or crop[1] > rh:
+        return apply_geometry(img, resize, None, crop, interpolation)
+    left, top = int(round((rw - crop[0]) / 2.0)), int(round((rh - crop[1]) / 2.0))
+    sx, sy = w / rw, h / rh
+    box = (left * sx, top * sy, (left + crop[0]) * sx, (top + crop[1]) * sy)
+    return img.resize(crop, INTERPOLATIONS[interpolation], box=box)
+
+
 def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Open and fully decode ``data`` with Pillow, refusing decompression bombs; errors name ``name``."""
     if not data:
@@ -203,20 +219,32 @@ def _jpeg_colorspace(data: bytes | memoryview) -> str | None:
 
 
 def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
-           max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode encoded image bytes to a uint8 (H, W, C) array, as ImageFolder's loader would."""
+           max_pixels: int = DEFAULT_MAX_PIXELS, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode encoded image bytes to a uint8 (H, W, C) array, as ImageFolder's loader would. With ``out``
+    (an array of the image's shape) the pixels are written there, JPEGs without an intermediate copy."""
     if _jpeg_colorspace(data) in ("YCbCr", "Gray"):
         try:
             h, w = simplejpeg.decode_jpeg_header(data)[:2]
             if h * w > max_pixels:
                 raise ImageError(name, f"{w}x{h} is over the {max_pixels:,}-pixel limit; raise --max-pixels")
-            out = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB")
-            return out if out.ndim == 3 else out[:, :, None]
+            channels = 1 if mode == "L" else 3
+            direct = out is not None and out.shape == (h, w, channels) and out.flags.c_contiguous
+            arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB",
+                                         buffer=out if direct else None)
+            if direct:
+                return out
+            arr = arr.reshape(h, w, channels)
         except ValueError as exc:
             raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
-    img = open_image(bytes(data), name, max_pixels).convert(mode)
-    arr = np.asarray(img)
-    return arr if arr.ndim == 3 else arr[:, :, None]
+    else:
+        arr = np.asarray(open_image(bytes(data), name, max_pixels).convert(mode))
+        arr = arr if arr.ndim == 3 else arr[:, :, None]
+    if out is not None:
+        if arr.shape != out.shape:
+            raise ImageError(name, f"decoded to {arr.shape}, expected {out.shape}; the dataset is damaged")
+        out[...] = arr
+        return out
+    return arr
 
 
 def to_pil(array: np.ndarray) -> Image.Image:

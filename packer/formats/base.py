@@ -11,6 +11,7 @@ import os
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -20,7 +21,16 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import CorruptDataError
 from ..manifest import read_manifest
-from ..transforms import DEFAULT_MAX_PIXELS, Encoded, TransformSpec, apply_geometry, decode, parse_size, to_pil
+from ..transforms import (
+    Encoded,
+    TransformSpec,
+    apply_geometry,
+    decode,
+    open_image,
+    parse_size,
+    resize_crop,
+    to_pil,
+)
 
 
 class Writer(ABC):
@@ -64,11 +74,12 @@ class PackedBatch(list):
     labels: torch.Tensor
 
 
-def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor for a whole batch; in a DataLoader worker it is allocated in shared memory, so sending it to the
-    main process copies nothing (as ``default_collate`` does)."""
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """A tensor for a whole batch. In a DataLoader worker it is allocated in shared memory, so sending it to the
+    main process copies nothing (as ``default_collate`` does); in the main process it can be pinned, so the
+    copy to the GPU needs no staging copy."""
     if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     numel = int(np.prod(shape))
     storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
@@ -85,7 +96,10 @@ class PackedDataset(Dataset):
         resize, center_crop, interpolation: a read-time resize and crop, with the same semantics as the
             offline ones (``resize=256, center_crop=224``); cheaper than an equivalent ``transform``.
         verify: check each sample's crc32 on read and raise :class:`CorruptDataError` on a mismatch.
-        decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise) or ``"pil"`` (Pillow for everything).
+        decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise; a read-time resize and crop resample only
+            the cropped region) or ``"pil"`` (Pillow for everything, resize then crop: torchvision's pipeline).
+        threads: threads that decode one batch in ``__getitems__`` (default 1; :func:`packer.make_loader` sets
+            it to the usable cores when it decodes in the main process). Decoding releases the GIL.
 
     Nothing that cannot cross a fork or a pickle is opened in ``__init__``: each process opens its own handles
     on first use (checked by pid), and pickling drops them.
@@ -96,7 +110,7 @@ class PackedDataset(Dataset):
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, resize: int | str | None = None,
                  center_crop: int | str | None = None, interpolation: str = "bilinear", verify: bool = False,
-                 decoder: str = "auto", manifest: dict | None = None):
+                 decoder: str = "auto", threads: int = 1, manifest: dict | None = None):
         self.root = Path(root)
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
         self.classes: list[str] = list(self.manifest["classes"])
@@ -112,7 +126,12 @@ class PackedDataset(Dataset):
         self.verify = verify
         self.decoder = decoder
         self.max_pixels = self.spec.max_pixels
+        self.threads = threads
+        self.pin_memory = False  # make_loader sets it: batches are then allocated in pinned memory
         self._pid: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        if decoder not in ("auto", "pil"):
+            raise ValueError("decoder must be 'auto' or 'pil'")
         if (self.resize or self.center_crop) and self.spec.normalize:
             raise ValueError("read-time resize/crop needs uint8 images; this dataset stores normalized floats")
 
@@ -132,6 +151,11 @@ class PackedDataset(Dataset):
         """Several samples at once; formats override this to serve a batch in one call."""
         return [self._read(i) for i in indices]
 
+    def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
+        """Formats that can copy a batch of raw images in one call do so into ``out`` and return the labels;
+        None means "read them one by one"."""
+        return None
+
     @abstractmethod
     def relpath(self, index: int) -> str:
         """The sample's path relative to the source folder, with '/' separators."""
@@ -144,11 +168,24 @@ class PackedDataset(Dataset):
     def _ensure_open(self) -> None:
         if self._pid != os.getpid():
             self._open()
+            self._executor = None
             self._pid = os.getpid()
+
+    def _parallel(self, fn: Callable, items: list) -> None:
+        """Run ``fn`` over ``items``, on this process's decode threads when there are several."""
+        if self.threads <= 1 or len(items) < 2:
+            for item in items:
+                fn(item)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="packer-decode")
+        for _ in self._executor.map(fn, items):
+            pass
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_pid"] = None
+        state["_executor"] = None
         for key in self._handles():
             state[key] = None
         return state
@@ -173,23 +210,35 @@ class PackedDataset(Dataset):
     def _is_raw(self) -> bool:
         return self.spec.store == "raw"
 
-    def _array(self, index: int, sample: Sample) -> np.ndarray:
-        """The sample as an (H, W, C) array, read-time resize/crop applied. May be a read-only view."""
+    def _array(self, index: int, sample: Sample, out: np.ndarray | None = None) -> np.ndarray:
+        """The sample as an (H, W, C) array with the read-time resize/crop applied, written into ``out`` when
+        given (JPEGs decode straight into it). Without ``out`` it may be a read-only view of the stored data."""
+        name = self._describe(index)
+        geometry = self.resize or self.center_crop
         if self._is_raw:
             try:
                 arr = np.frombuffer(sample.payload, dtype=self.spec.dtype).reshape(sample.shape)
             except ValueError:
-                raise CorruptDataError(f"{self._describe(index)}: stored array has {len(sample.payload)} bytes, "
-                                       f"not the {sample.shape} it should; re-pack") from None
+                raise CorruptDataError(f"{name}: stored array has {len(sample.payload)} bytes, not the "
+                                       f"{sample.shape} it should; re-pack") from None
+            if geometry:
+                arr = _as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         elif self.decoder == "pil":
-            arr = np.asarray(_pil_decode(sample.payload, self.spec.mode, self._describe(index), self.max_pixels))
-            arr = arr if arr.ndim == 3 else arr[:, :, None]
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            if geometry:
+                img = apply_geometry(img, self.resize, None, self.center_crop, self.interpolation)
+            arr = _as_hwc(img)
+        elif geometry:
+            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
+            arr = _as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         else:
-            arr = decode(sample.payload, self.spec.mode, self._describe(index), self.max_pixels)
-        if self.resize or self.center_crop:
-            img = apply_geometry(to_pil(arr), self.resize, None, self.center_crop, self.interpolation)
-            arr = np.asarray(img)
-            arr = arr if arr.ndim == 3 else arr[:, :, None]
+            return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
+        if out is not None:
+            if arr.shape != out.shape:
+                raise CorruptDataError(f"{name}: image is {arr.shape}, the dataset says {out.shape}; re-pack "
+                                       "or pass resize/center_crop")
+            out[...] = arr
+            return out
         return arr
 
     def _finish(self, image: torch.Tensor, label: int) -> tuple[Any, Any]:
@@ -234,38 +283,34 @@ class PackedDataset(Dataset):
             return [self.raw_sample(i) for i in indices]
         indices = [self._check_index(i) for i in indices]
         self._ensure_open()
-        samples = self._read_many(indices)
         shape = self.output_shape()
         if shape is None:
             items = []
-            for i, s in zip(indices, samples, strict=False):
+            for i, s in zip(indices, self._read_many(indices), strict=True):
                 arr = self._array(i, self._checked(i, s))
                 items.append(self._finish(torch.from_numpy(np.array(arr)).permute(2, 0, 1), s.label))
             return items
-        dtype = torch.float16 if self.spec.dtype == "float16" else (
-            torch.float32 if self.spec.dtype == "float32" else torch.uint8)
-        batch = empty_batch((len(indices), *shape), dtype)
+        dtype = {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
+        batch = empty_batch((len(indices), *shape), dtype, self.pin_memory)
         out = batch.numpy()
-        for j, (i, s) in enumerate(zip(indices, samples, strict=False)):
-            self._checked(i, s)
-            arr = self._array(i, s)
-            if arr.shape != out.shape[1:]:
-                raise CorruptDataError(f"{self._describe(i)}: image is {arr.shape}, the dataset says {shape}; "
-                                       "re-pack or pass resize/center_crop")
-            out[j] = arr
+        labels = self.gather_raw(indices, out) if self._is_raw else None
+        if labels is None:
+            samples = self._read_many(indices)
+            self._parallel(lambda j: self._array(indices[j], self._checked(indices[j], samples[j]), out[j]),
+                      list(range(len(indices))))
+            labels = [s.label for s in samples]
         images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy
-        labels = torch.tensor([s.label for s in samples], dtype=torch.int64)
+        labels = torch.as_tensor(labels, dtype=torch.int64)
+        pairs = zip(images.unbind(0), labels.tolist(), strict=True)
         if self.transform is not None or self.target_transform is not None:
-            return [self._finish(images[j], int(labels[j])) for j in range(len(indices))]
-        result = PackedBatch((images[j], int(labels[j])) for j in range(len(indices)))
+            return [self._finish(image, label) for image, label in pairs]
+        result = PackedBatch(pairs)
         result.images, result.labels = images, labels
         return result
 
-
-def _pil_decode(data: bytes | memoryview, mode: str, name: str, max_pixels: int = DEFAULT_MAX_PIXELS):
-    from ..transforms import open_image
-
-    return open_image(bytes(data), name, max_pixels).convert(mode)
+def _as_hwc(img) -> np.ndarray:
+    arr = np.asarray(img)
+    return arr if arr.ndim == 3 else arr[:, :, None]
 
 
 _REGISTRY: dict[str, tuple[type[Writer], type[PackedDataset]]] = {}

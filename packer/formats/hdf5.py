@@ -95,7 +95,8 @@ def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
         return dataset[()]
     if dataset.size == 0:
         return np.zeros(dataset.shape, dataset.dtype)
-    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+    # a plain ndarray view of the map: indexing a np.memmap subclass costs several times more per call
+    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape).view(np.ndarray)
 
 
 class Hdf5Dataset(PackedDataset):
@@ -142,12 +143,14 @@ class Hdf5Dataset(PackedDataset):
         h, w, c = (int(x) for x in self.shapes[index])
         return Sample(payload, int(self.labels[index]), (h, w, c), int(self.crcs[index]))
 
-    def gather_raw(self, indices: list[int], out: np.ndarray) -> bool:
+    def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""
         if self.offsets is not None or self.resize or self.center_crop or self.verify:
-            return False
-        np.take(self.images, indices, axis=0, out=out)
-        return True
+            return None
+        images = self.images
+        for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
+            out[j] = images[i]
+        return self.labels[indices]
 
     def relpath(self, index: int) -> str:
         index = self._check_index(index)
