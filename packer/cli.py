@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shlex
 import sys
 
 import click
@@ -51,8 +52,8 @@ def handle_errors(fn):
             click.echo(f"packer: error: {exc}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            click.echo("packer: interrupted; nothing was finished. Run the same command again (with --overwrite "
-                       "for a half-written destination) to start over.", err=True)
+            click.echo("packer: interrupted. Run the same command with --resume to continue where it stopped.",
+                       err=True)
             sys.exit(130)
 
     return wrapper
@@ -93,13 +94,15 @@ def main() -> None:
 @click.option("--shard-samples", type=click.IntRange(1), default=None, help="WebDataset: samples per shard.")
 @click.option("--strict", is_flag=True, help="Stop at the first unreadable image instead of skipping it.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing packer dataset at DEST.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted conversion into DEST (same SRC and options); exits 0 if finished.")
 @click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
 @click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Refuse images with more pixels (decompression bombs).")
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
 @handle_errors
 def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation, quality, mode, exif_transpose,
-         normalize, mean, std, dtype, workers, shuffle, seed, shard_size, shard_samples, strict, overwrite,
+         normalize, mean, std, dtype, workers, shuffle, seed, shard_size, shard_samples, strict, overwrite, resume,
          include_hidden, max_pixels, quiet) -> None:
     """Convert the image folder SRC (SRC/<class>/**/<image>) into a dataset in DEST."""
     from .convert import pack as run_pack
@@ -108,7 +111,7 @@ def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation
                         interpolation=interpolation, quality=quality, mode=mode, exif_transpose=exif_transpose,
                         normalize=normalize, mean=mean, std=std, dtype=dtype, workers=workers, shuffle=shuffle,
                         seed=seed, shard_size=parse_bytes(shard_size), shard_samples=shard_samples,
-                        strict=strict, overwrite=overwrite, include_hidden=include_hidden,
+                        strict=strict, overwrite=overwrite, resume=resume, include_hidden=include_hidden,
                         max_pixels=max_pixels, progress=not quiet)
     click.echo(summary_line(dest, manifest))
 
@@ -154,6 +157,73 @@ def info(dest, as_json) -> None:
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
     click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("src", required=False, type=click.Path(path_type=str))
+@click.option("--formats", default="lmdb,hdf5,wds", show_default=True, help="Formats to pack and read.")
+@click.option("--store", "stores", default="original,jpeg,raw", show_default=True,
+              help="Storage modes; STORE:RESIZE[/CROP] (e.g. jpeg:256) packs that one with its own resize/crop.")
+@click.option("--resize", default="256", show_default=True, help="Offline resize for jpeg/png/raw ('none': off).")
+@click.option("--center-crop", default="224", show_default=True, help="Offline crop for jpeg/png/raw ('none': off).")
+@click.option("--read-resize", default="256", show_default=True,
+              help="Read-time resize of the folder (and of packed data not stored at the final size).")
+@click.option("--read-crop", default="224", show_default=True, help="Read-time centre crop: the output size.")
+@click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--workers", default=None, help="Loader worker counts, e.g. 0,1,2 (default: 0, 1, half and all "
+              "usable cores; with --tune 0, 1, 2, 4... cores).")
+@click.option("--epochs", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--cache", "caches", default="warm,cold", show_default=True,
+              help="warm: files read once first; cold: evicted from the page cache before each run.")
+@click.option("--step-ms", type=click.FloatRange(0), default=0, show_default=True,
+              help="Simulated training step per batch; reports the fraction of time it waited for data.")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="Runs per figure (median).")
+@click.option("--prefetch-factor", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--packed", multiple=True, type=click.Path(path_type=str),
+              help="Benchmark this packed dataset instead of packing SRC (repeat the option for several).")
+@click.option("--out", default="bench-out", show_default=True,
+              help="Folder for results.json, results.md, results.txt and bench.png.")
+@click.option("--work", default=None, help="Where to pack (default: inside --out); use a real disk for cold runs.")
+@click.option("--keep", is_flag=True, help="Keep the packed datasets in the work folder.")
+@click.option("--disk-test-mb", type=click.IntRange(0), default=384, show_default=True,
+              help="Size of the file read to measure the disk (0: skip).")
+@click.option("--no-limits", is_flag=True, help="Skip the decode, memory and disk ceilings.")
+@click.option("--tune", "tune_dest", default=None, type=click.Path(path_type=str),
+              help="DEST: sweep workers, batch size and prefetch factor on DEST; write DEST/loader.json.")
+@click.option("--batch-sizes", default="32,64,128", show_default=True, help="With --tune: batch sizes to try.")
+@click.option("--prefetch-factors", default="2,4", show_default=True, help="With --tune: prefetch factors to try.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@handle_errors
+def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, batch_size, workers, epochs, caches,
+          step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits, tune_dest,
+          batch_sizes, prefetch_factors, quiet) -> None:
+    """Measure loading speed of SRC packed in each format and store against the folder itself; or, with
+    --tune DEST, find the fastest loader settings for a packed dataset."""
+    from . import bench as b
+
+    counts = b.split_ints(workers) if workers else None
+    if tune_dest:
+        if src:
+            raise ValueError("give SRC to benchmark, or --tune DEST, not both")
+        data = b.tune(tune_dest, workers=counts, batch_sizes=b.split_ints(batch_sizes),
+                      prefetch_factors=b.split_ints(prefetch_factors), read_resize=b.optional_size(read_resize),
+                      read_crop=b.optional_size(read_crop), progress=not quiet)
+        click.echo(b.format_tune(data, tune_dest))
+        return
+    if not src:
+        raise ValueError("give the image folder SRC to benchmark (or --tune DEST)")
+    results = b.run_bench(src, formats=b.split_names(formats), stores=b.split_names(stores),
+                          resize=b.optional_size(resize), center_crop=b.optional_size(center_crop),
+                          batch_size=batch_size, workers=counts, epochs=epochs, caches=b.split_names(caches),
+                          step_ms=step_ms, out=out, keep=keep, packed=packed, repeats=repeats,
+                          read_resize=b.optional_size(read_resize), read_crop=b.optional_size(read_crop),
+                          work=work, limits=not no_limits, disk_test_mb=disk_test_mb,
+                          prefetch_factor=prefetch_factor, progress=not quiet,
+                          command=" ".join(["packer", *map(shlex.quote, sys.argv[1:])]))
+    click.echo(b.render_text(results), nl=False)
+    click.echo(f"wrote {', '.join(results['outputs'].values())}")
+    if results.get("work"):
+        click.echo(f"packed datasets kept in {results['work']}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class Writer(ABC):
     """Writes converted samples, in order, into ``dest``. Lives in the main process only."""
 
     format: ClassVar[str]
+    RESUMES_FROM: ClassVar[str] = "nothing"  # what an interrupted conversion keeps, for messages
 
     def __init__(self, dest: Path, spec: TransformSpec, expected_count: int, options: dict[str, Any]):
         self.dest = dest
@@ -46,8 +47,17 @@ class Writer(ABC):
         self.count = 0
 
     @abstractmethod
-    def write(self, label: int, relpath: str, item: Encoded) -> None:
-        """Append one sample; its index is ``self.count`` before the call."""
+    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
+        """Append one sample; its index is ``self.count`` before the call. When the call made samples durable
+        (a committed transaction, a finished shard), return how many are now durable, else None."""
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` needs to continue after the durable samples; saved in the journal."""
+        return {"count": self.count}
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Drop anything written after ``state`` and continue from there; return the samples kept (0 restarts)."""
+        return 0
 
     @abstractmethod
     def close(self) -> dict[str, Any]:

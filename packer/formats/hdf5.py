@@ -30,6 +30,7 @@ COPY_BYTES = 64 << 20
 
 
 class Hdf5Writer(Writer):
+    RESUMES_FROM = "nothing: it writes its file whole at the end"
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
         self.blob_path = dest / (FILENAME + ".blob.tmp")
@@ -38,7 +39,7 @@ class Hdf5Writer(Writer):
         self.paths = open(self.paths_path, "wb")
         self.offsets = array("q", [0])
         self.labels = array("q")
-        self.crcs = array("L")
+        self.crcs = array("I")  # 4 bytes; "L" is 8 on 64-bit Linux and would not match uint32
         self.shapes = array("H")
 
     def write(self, label: int, relpath: str, item: Encoded) -> None:
@@ -73,7 +74,7 @@ class Hdf5Writer(Writer):
                 f.create_dataset("offsets", data=np.frombuffer(self.offsets, dtype=np.int64))
             f.create_dataset("shapes", data=np.frombuffer(self.shapes, dtype=np.uint16).reshape(n, 3))
             f.create_dataset("labels", data=np.frombuffer(self.labels, dtype=np.int64))
-            f.create_dataset("crc32", data=np.frombuffer(self.crcs, dtype=np.uint32))
+            f.create_dataset("crc32", data=np.array(self.crcs, dtype=np.uint32))
             relpaths = self.paths_path.read_bytes().split(b"\0")[:-1]
             f.create_dataset("relpaths", data=np.array(relpaths, dtype=object), dtype=h5py.string_dtype("utf-8"))
             f.attrs["packer_store"] = self.spec.store

@@ -66,6 +66,7 @@ def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sam
 
 
 class LmdbWriter(Writer):
+    RESUMES_FROM = "its last committed transaction"
     COMMIT_BYTES = 256 << 20
     COMMIT_SAMPLES = 2000
 
@@ -74,16 +75,35 @@ class LmdbWriter(Writer):
         map_size = max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5))
         self.env = lmdb.open(str(dest), map_size=map_size, subdir=True, meminit=False, sync=False,
                              metasync=False, map_async=False, readahead=False, max_dbs=0)
+        # commits are the points a conversion can resume from; PACKER_COMMIT_SAMPLES makes them denser (tests)
+        self.commit_samples = int(os.environ.get("PACKER_COMMIT_SAMPLES", self.COMMIT_SAMPLES))
         self.pending: list[tuple[bytes, bytes]] = []
         self.pending_bytes = 0
 
-    def write(self, label: int, relpath: str, item: Encoded) -> None:
+    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
         value = pack_record(label, relpath, item)
         self.pending.append((key(self.count), value))
         self.pending_bytes += len(value)
         self.count += 1
-        if len(self.pending) >= self.COMMIT_SAMPLES or self.pending_bytes >= self.COMMIT_BYTES:
+        if len(self.pending) >= self.commit_samples or self.pending_bytes >= self.COMMIT_BYTES:
             self._commit()
+            self.env.sync(True)  # the journal may only count what is on disk
+            return self.count
+        return None
+
+    def restore(self, state: dict[str, Any]) -> int:
+        count = int(state["count"])
+        with self.env.begin(write=True) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(key(count)):
+                while cursor.delete():
+                    pass
+            kept = txn.stat()["entries"]
+        if kept != count:
+            raise PackerError(f"{self.dest / 'data.mdb'}: holds {kept} records, the progress record says {count}; "
+                              "start again with --overwrite")
+        self.count = count
+        return count
 
     def _commit(self) -> None:
         while True:

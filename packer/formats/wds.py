@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptDataError, PackerError
-from ..manifest import file_entry
+from ..manifest import file_entry, fsync_dir
 from ..transforms import Encoded, decode
 from .base import PackedDataset, Sample, Writer, register
 
 INDEX = "wds_index.npy"
+PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
 INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("json_offset", "<u8"),
                         ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
@@ -55,6 +56,7 @@ def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes
 
 
 class WdsWriter(Writer):
+    RESUMES_FROM = "its last complete shard"
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
@@ -82,17 +84,45 @@ class WdsWriter(Writer):
         self.in_shard = 0
 
     def _finish_shard(self) -> None:
+        """Close the open shard, make it durable under its final name, and append its index rows."""
         if self.tar is None:
             return
         self.tar.close()
         final = self.dest / self.shards[-1]["path"]
-        with open(final.with_name(final.name + ".tmp"), "rb+") as f:
+        tmp = final.with_name(final.name + ".tmp")
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(final.with_name(final.name + ".tmp"), final)
+        os.replace(tmp, final)
         self.shards[-1]["count"] = self.in_shard
         self.tar = None
+        with open(self.dest / PARTIAL_INDEX, "ab") as f:
+            f.write(self.index[self.count - self.in_shard:self.count].tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.dest)
 
-    def write(self, label: int, relpath: str, item: Encoded) -> None:
+    def state(self) -> dict[str, Any]:
+        shards = self.shards if self.tar is None else self.shards[:-1]
+        return {"count": sum(s["count"] for s in shards), "shards": shards}
+
+    def restore(self, state: dict[str, Any]) -> int:
+        count, shards = int(state["count"]), list(state["shards"])
+        keep = {s["path"] for s in shards}
+        for path in self.dest.glob("shard-*.tar*"):
+            if path.name not in keep:
+                path.unlink()
+        partial = self.dest / PARTIAL_INDEX
+        rows = np.fromfile(partial, dtype=INDEX_DTYPE) if partial.exists() else np.zeros(0, INDEX_DTYPE)
+        if len(rows) < count or any(not (self.dest / s["path"]).exists() for s in shards):
+            raise PackerError(f"{self.dest}: the finished shards do not match the progress record; "
+                              "start again with --overwrite")
+        with open(partial, "r+b") as f:
+            f.truncate(count * INDEX_DTYPE.itemsize)
+        self.index[:count] = rows[:count]
+        self.shards, self.count = shards, count
+        return count
+
+    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
         keyname = f"{self.count:09d}"
         if item.ext == "raw":
             data, header = npy_bytes(item.payload, item.shape, self.spec.dtype)
@@ -105,7 +135,9 @@ class WdsWriter(Writer):
         size = len(data) + len(meta) + 3 * tarfile.BLOCKSIZE
         full = self.tar is not None and (
             self.in_shard >= self.shard_samples or (self.shard_bytes and self.tar.offset + size > self.shard_bytes))
+        durable = None
         if self.tar is None or full:
+            durable = self.count if self.tar is not None else None
             self._start_shard()
         offset = self._add(f"{keyname}.{ext}", data) + header
         self._add(f"{keyname}.cls", str(label).encode("ascii"))
@@ -117,10 +149,12 @@ class WdsWriter(Writer):
         self.in_shard += 1
         self.shards[-1]["count"] = self.in_shard
         self.count += 1
+        return durable
 
     def close(self) -> dict[str, Any]:
         self._finish_shard()
         np.save(self.dest / INDEX, self.index[: self.count], allow_pickle=False)
+        (self.dest / PARTIAL_INDEX).unlink(missing_ok=True)
         files = [file_entry(self.dest, s["path"]) for s in self.shards] + [file_entry(self.dest, INDEX)]
         return {"files": files, "shards": self.shards}
 
@@ -305,11 +339,13 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             arr = decode(sample[ext], mode, sample.get("__key__", "?"))
         return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1), int(sample["cls"])
 
-    pipeline = wds.WebDataset(urls, resampled=shuffle, shardshuffle=False if not shuffle else None,
+    # shardshuffle=False: resampling already draws shards at random (None only makes webdataset warn)
+    pipeline = wds.WebDataset(urls, resampled=shuffle, shardshuffle=False,
                               nodesplitter=None if shuffle else wds.split_by_node, seed=seed, empty_check=False)
     if shuffle:
         pipeline = pipeline.shuffle(1000, seed=seed)
-    pipeline = pipeline.map(to_sample).batched(batch_size, partial=False)
+    # in order (evaluation), keep each worker's last, partial batch: every sample once
+    pipeline = pipeline.map(to_sample).batched(batch_size, partial=not shuffle)
     loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers)
     return loader.with_epoch(batches) if shuffle else loader
 
