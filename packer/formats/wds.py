@@ -237,8 +237,8 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
         shape, fortran, dtype = np.lib.format._read_array_header(f, version)
     except (ValueError, OSError) as exc:
         raise CorruptDataError(f"{where}: not a valid .npy member ({exc})") from None
-    if fortran or dtype.hasobject or len(shape) not in (2, 3):
-        raise CorruptDataError(f"{where}: .npy member must be a C-order (H, W[, C]) array")
+    if fortran or dtype != np.uint8 or len(shape) not in (2, 3):
+        raise CorruptDataError(f"{where}: .npy member must be a C-order uint8 (H, W[, C]) array")
     return (shape[0], shape[1], shape[2] if len(shape) == 3 else 1), f.tell()
 
 
@@ -246,7 +246,9 @@ class WdsDataset(PackedDataset):
     """Random access over WebDataset shards, through byte offsets recorded at pack time: exact ``len()``,
     shuffling and ``DistributedSampler`` work as for the other formats. Shards are memory-mapped per process.
 
-    For sequential or remote reading through the ``webdataset`` library, see :func:`packer.stream`."""
+    Shards written by other tools (``webdataset.ShardWriter``, img2dataset...) are read with
+    :meth:`from_shards`. For sequential or remote reading through the ``webdataset`` library, see
+    :func:`packer.stream`."""
 
     def __init__(self, root, **kwargs):
         super().__init__(root, **kwargs)
@@ -254,6 +256,30 @@ class WdsDataset(PackedDataset):
         self.shard_paths = [self.root / s["path"] for s in self.manifest.get("shards", [])]
         self.index = None
         self.maps: list | None = None
+        self._foreign: tuple[np.ndarray, np.ndarray] | None = None  # (index, relpaths) of foreign shards
+
+    @classmethod
+    def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
+                    **kwargs) -> WdsDataset:
+        """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
+        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``).
+        The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``."""
+        paths = [Path(p) for p in paths]
+        if not paths:
+            raise PackerError("from_shards needs at least one shard path")
+        index, relpaths = scan_shards(paths, label_key)
+        if len(index) == 0:
+            raise PackerError(f"{paths[0]}: no samples with an image and a {label_key!r} label in these shards")
+        if classes is None:
+            classes = [str(i) for i in range(int(index["label"].max()) + 1)]
+        root = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
+        manifest = {"format": "wds", "count": len(index), "classes": list(classes),
+                    "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
+                    "shape": None, "checksum": "none",
+                    "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
+        dataset = cls(root, manifest=manifest, **kwargs)
+        dataset._foreign = (index, np.array(relpaths, dtype=str))
+        return dataset
 
     def __len__(self) -> int:
         return self._count
@@ -262,6 +288,10 @@ class WdsDataset(PackedDataset):
         return ("index", "maps")
 
     def _open(self) -> None:
+        self.maps = [None] * len(self.shard_paths)
+        if self._foreign is not None:
+            self.index = self._foreign[0]
+            return
         try:
             index = np.load(self.root / INDEX, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
@@ -269,7 +299,6 @@ class WdsDataset(PackedDataset):
         if index.dtype != INDEX_DTYPE or len(index) != self._count:
             raise CorruptDataError(f"{self.root / INDEX}: index does not match the manifest; re-pack")
         self.index = index
-        self.maps = [None] * len(self.shard_paths)
 
     def _map(self, shard: int) -> mmap.mmap:
         m = self.maps[shard]
@@ -297,6 +326,8 @@ class WdsDataset(PackedDataset):
 
     def relpath(self, index: int) -> str:
         index = self._check_index(index)
+        if self._foreign is not None:
+            return str(self._foreign[1][index])
         self._ensure_open()
         row = self.index[index]
         a, size = int(row["json_offset"]), int(row["json_size"])
