@@ -242,14 +242,14 @@ def dataset_files(root: str | os.PathLike) -> list[Path]:
 
 
 def _release_handles() -> None:
-    """Close this process's maps of datasets so that an eviction can take: drop unreferenced datasets and close
-    the LMDB environments packer shares per process (what it also does before a fork)."""
+    """Unmap this process's datasets so that an eviction can take: drop unreferenced datasets (their maps and
+    loader threads), then close the LMDB environments packer keeps per process and path. Only call this with no
+    loader running: closing a map under a reading thread crashes. The datasets reopen lazily; mincore then says
+    whether anything was left mapped."""
     gc.collect()
-    from .formats import lmdb as lmdb_format
+    from .formats.lmdb import close_environments
 
-    close = getattr(lmdb_format, "_close_before_fork", None)
-    if close is not None:
-        close()
+    close_environments()
 
 
 # -- the limits ---------------------------------------------------------------------------------------------------
@@ -518,15 +518,20 @@ class EpochStats:
 
 
 def make_bench_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | None = None,
-                      seed: int = 0) -> Any:
+                      seed: int = 0, **overrides: Any) -> Any:
+    """``make_loader`` with every setting given: ``workers`` processes, or with 0 packer's in-process loader
+    (decode threads and a background thread ``prefetch_factor`` batches ahead)."""
     from .loader import make_loader
 
-    kwargs: dict[str, Any] = {"num_workers": workers}
+    kwargs: dict[str, Any] = {"num_workers": workers, **overrides}
     if workers > 0 and prefetch_factor:
         kwargs["prefetch_factor"] = prefetch_factor
     # Every setting is given explicitly, so a loader.json beside the dataset does not apply; its notice would mislead.
     with contextlib.redirect_stderr(io.StringIO()):
-        return make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, **kwargs)
+        loader = make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, **kwargs)
+    if workers == 0 and prefetch_factor and hasattr(loader, "prefetch_batches"):
+        loader.prefetch_batches = prefetch_factor
+    return loader
 
 
 def _check_signature(signature: tuple, expected: tuple | None, where: str) -> tuple:
@@ -592,13 +597,14 @@ def _run_once(target: Target, workers: int, cache: str, settings: dict[str, Any]
         prewarm(target.files)
     resident = resident_fraction(target.files)
     loader = make_bench_loader(ds, settings["batch_size"], workers, settings["prefetch_factor"], seed=repeat)
-    try:
-        epochs = run_epochs(loader, settings["epochs"], settings["step_ms"] / 1000, expected=expected,
-                            where=f"{target.dataset} {target.store}", bar=bar)
-    finally:
-        del loader, ds
-        _release_handles()  # shuts persistent workers down and unmaps, before the next eviction
-    return {"resident_before": resident, "epochs": epochs}
+    threads = getattr(ds, "threads", 1)
+    epochs = run_epochs(loader, settings["epochs"], settings["step_ms"] / 1000, expected=expected,
+                        where=f"{target.dataset} {target.store}", bar=bar)
+    # Every epoch ran to its end, so nothing reads any more: shut the workers down and unmap before the next
+    # eviction. (Not on an error: a loader's threads may still be reading then.)
+    del loader, ds
+    _release_handles()
+    return {"resident_before": resident, "epochs": epochs, "threads": threads}
 
 
 def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict], settings: dict,
@@ -612,7 +618,8 @@ def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict],
         "dataset": target.dataset, "store": target.store, "store_mode": target.store_mode,
         "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
         "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
-        "workers": workers, "batch_size": settings["batch_size"], "epoch": epoch + 1, "cache": cache,
+        "workers": workers, "threads": runs[0]["threads"], "batch_size": settings["batch_size"], "epoch": epoch + 1,
+        "cache": cache,
         "samples": stats[0].samples, "skipped_batches": stats[0].skipped_batches,
         "samples_per_s": rate, "samples_per_s_runs": rates,
         "mb_per_s_read": rate * target.bytes_per_sample / 1e6,
@@ -717,6 +724,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 # -- output ---------------------------------------------------------------------------------------------------------
 COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("workers", "workers", "{}"),
+           ("threads", "threads", "{}"),
            ("cache", "cache", "{}"), ("epoch", "epoch", "{}"), ("samples_per_s", "samples/s", "{:.0f}"),
            ("mb_per_s_read", "MB/s read", "{:.1f}"), ("mb_per_s_decoded", "MB/s out", "{:.1f}"),
            ("first_batch_s", "1st batch s", "{:.2f}"), ("speedup_vs_folder", "vs folder", "{:.2f}x"),
@@ -829,7 +837,7 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
         ax.set_yscale("log")
         ax.set_title(f"{cache} cache, {workers} workers, epoch {epoch}")
         ax.set_ylabel("samples/s (black tick: ceiling)")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -891,22 +899,19 @@ def default_workers() -> list[int]:
     return sorted({0, 1, cores // 2, cores})
 
 
-def _source_bytes(src: Path) -> int:
-    from .scan import scan_folder
-
-    return sum((src / rel).stat().st_size for rel, _ in scan_folder(src).samples)
-
-
 def _notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any], count: int) -> list[str]:
     notes = [f"epoch 1 rates leave out its first {WARMUP_BATCHES} batches (worker start-up); first_batch_s is "
              "the time from iter(loader) to the first batch",
-             "ceilings use every usable core; with fewer workers a loader cannot reach them"]
+             "workers 0 is make_loader's in-process loader: `threads` decode threads in the main process and a "
+             "background thread prefetching; workers N are N DataLoader processes of one decode thread each",
+             "ceilings use every usable core"]
     if "cold" in settings["caches"] and settings["epochs"] > 1:
         notes.append("cold epoch 2 reads what epoch 1 left in the page cache: it shows re-reading, not a cold disk")
     batches = math.ceil(count / settings["batch_size"])
     if batches < 20:
-        notes.append(f"only {batches} batches per epoch: rates this short are noisy; use a "
-                     "larger SRC (scripts/make_sample_data.py) or --repeats for figures to rely on")
+        notes.append(f"only {batches} batches per epoch: rates this short are noisy, and epoch 1 overstates "
+                     "parallel loaders (their first batches are decoded side by side before the clock starts); use "
+                     "a larger SRC (scripts/make_sample_data.py) or --repeats for figures to rely on")
     if any(r["eviction_ok"] is False for r in rows):
         notes.append(f"eviction did NOT take on some cold runs (the work folder is on "
                      f"{machine.get('work_filesystem')}; tmpfs and some overlays keep pages): those rows are warm")
@@ -1018,32 +1023,34 @@ def tune_workers() -> list[int]:
     return sorted(counts)
 
 
-def _tune_one(target: Target, workers: int, batch_size: int, prefetch: int | None, samples: int,
+def _tune_one(target: Target, workers: int, batch_size: int, prefetch: int, samples: int,
               max_seconds: float) -> dict[str, Any]:
-    """Read at least ``samples`` samples after the warm-up batches (cycling epochs), or for ``max_seconds``."""
+    """Read at least ``samples`` samples after the warm-up batches, or for about ``max_seconds``. Each epoch is
+    cut short by its sampler, never by leaving the loop: a loader left mid-epoch still has threads reading."""
+    import torch
+
     ds = target.open()
-    loader = make_bench_loader(ds, batch_size, workers, prefetch)
+    epoch = min(len(ds), samples + WARMUP_BATCHES * batch_size)
+    sampler = torch.utils.data.RandomSampler(ds, num_samples=epoch, generator=torch.Generator().manual_seed(0))
+    loader = make_bench_loader(ds, batch_size, workers, prefetch, sampler=sampler)
+    threads = getattr(ds, "threads", 1)
     measured = seconds = 0.0
-    first = None
+    first = batch = None
     seen = 0
     started = time.perf_counter()
-    try:
-        while measured < samples and time.perf_counter() - started < max_seconds:
+    while measured < samples and time.perf_counter() - started < max_seconds:
+        t = time.perf_counter()
+        for batch in loader:
+            got = time.perf_counter()
+            first = got - started if first is None else first
+            if seen >= WARMUP_BATCHES:
+                measured += len(batch[0])
+                seconds += got - t
+            seen += 1
             t = time.perf_counter()
-            for batch in loader:
-                got = time.perf_counter()
-                first = got - started if first is None else first
-                if seen >= WARMUP_BATCHES:
-                    measured += len(batch[0])
-                    seconds += got - t
-                seen += 1
-                t = time.perf_counter()
-                if measured >= samples or t - started >= max_seconds:
-                    break
-    finally:
-        del loader, ds
-        _release_handles()
-    return {"num_workers": workers, "batch_size": batch_size, "prefetch_factor": prefetch,
+    del loader, ds, batch
+    _release_handles()
+    return {"num_workers": workers, "batch_size": batch_size, "prefetch_factor": prefetch, "threads": threads,
             "samples_per_s": measured / seconds if seconds else 0.0, "samples": int(measured),
             "first_batch_s": first}
 
@@ -1061,8 +1068,7 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None,
     target = packed_target(dest, parse_size(read_resize), parse_size(read_crop))
     samples = samples or min(target.count, 2000)
     workers = list(workers) if workers is not None else tune_workers()
-    configs = [(w, b, p if w else None) for w in workers for b in batch_sizes
-               for p in (prefetch_factors if w else [None])]
+    configs = list(itertools.product(workers, batch_sizes, prefetch_factors))
     prewarm(target.files)
     results = []
     for w, b, p in tqdm(configs, desc="tuning", unit="config", disable=not progress, file=sys.stderr):
@@ -1080,8 +1086,8 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None,
 
 def format_tune(data: dict[str, Any], dest: str | os.PathLike) -> str:
     rows = sorted(data["measured"]["results"], key=lambda r: -r["samples_per_s"])
-    lines = [f"{'workers':>7}  {'batch':>5}  {'prefetch':>8}  {'samples/s':>9}"]
-    lines += [f"{r['num_workers']:>7}  {r['batch_size']:>5}  {r['prefetch_factor'] or '-':>8}  "
+    lines = [f"{'workers':>7}  {'threads':>7}  {'batch':>5}  {'prefetch':>8}  {'samples/s':>9}"]
+    lines += [f"{r['num_workers']:>7}  {r['threads']:>7}  {r['batch_size']:>5}  {r['prefetch_factor']:>8}  "
               f"{r['samples_per_s']:>9.0f}" for r in rows]
     lines.append(f"best: {data['loader']} -> {Path(dest) / 'loader.json'} (make_loader uses it from now on)")
     return "\n".join(lines)

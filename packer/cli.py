@@ -160,6 +160,23 @@ def info(dest, as_json) -> None:
 
 
 @main.command()
+@click.argument("dest", type=click.Path(path_type=str))
+@click.option("--deep", is_flag=True, help="Also check every sample's checksum, decode it, check shape and label.")
+@handle_errors
+def verify(dest, deep) -> None:
+    """Check DEST against its manifest; print each problem with its file and sample; exit 1 if any."""
+    from .verify import verify as run_verify
+
+    problems = run_verify(dest, deep=deep)
+    for problem in problems:
+        click.echo(problem)
+    if problems:
+        click.echo(f"packer: {dest}: {len(problems)} problem(s) found; re-pack the dataset", err=True)
+        sys.exit(1)
+    click.echo(f"{dest}: ok ({'every sample decoded' if deep else 'files, checksums and counts'})")
+
+
+@main.command()
 @click.argument("src", required=False, type=click.Path(path_type=str))
 @click.option("--formats", default="lmdb,hdf5,wds", show_default=True, help="Formats to pack and read.")
 @click.option("--store", "stores", default="original,jpeg,raw", show_default=True,

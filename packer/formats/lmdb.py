@@ -20,6 +20,7 @@ dtype. Plain py-lmdb reads it: ``lmdb.open(DEST, readonly=True, lock=False)``.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from pathlib import Path
@@ -116,6 +117,8 @@ class LmdbWriter(Writer):
             except lmdb.MapFullError:
                 # The map is only address space on Linux: double it and redo the transaction.
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.Error as exc:  # a failed write (a full disk): the last commit stays intact
+                raise OSError(errno.EIO, f"LMDB commit failed: {exc}") from None
         self.pending.clear()
         self.pending_bytes = 0
 
@@ -136,9 +139,13 @@ _ENVS: dict[str, lmdb.Environment] = {}
 _generation = 0
 
 
-def _close_before_fork() -> None:
-    """LMDB environments must not cross a fork, and py-lmdb refuses to open in a child a path its parent holds
-    open. So every environment is closed before a fork; datasets reopen theirs, lazily, on both sides."""
+def close_environments() -> None:
+    """Close (unmap) every LMDB environment this process's datasets share; they reopen lazily on next use.
+    Call it only when no loader is reading: closing a map under a reading thread crashes the process.
+
+    It also runs in every forked child: LMDB environments must not cross a fork, and py-lmdb refuses to open a
+    path already open in the process, so the child drops what it inherited (unmapping it in the child only).
+    The parent keeps its own: closing them before the fork would pull the map from under its reading threads."""
     global _generation
     for env in _ENVS.values():
         env.close()
@@ -146,7 +153,7 @@ def _close_before_fork() -> None:
     _generation += 1
 
 
-os.register_at_fork(before=_close_before_fork)
+os.register_at_fork(after_in_child=close_environments)
 
 
 def _shared_env(root: Path, readahead: bool) -> lmdb.Environment:
@@ -166,10 +173,11 @@ class LmdbDataset(PackedDataset):
     """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
     ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
 
-    ``readahead`` (default False) lets the OS read ahead in the map; turn it on for sequential reads of a
-    dataset that fits in RAM."""
+    ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
+    more, so without it a cold read faults them in one 4 KB page at a time (measured: 0.03x the folder's
+    rate on a cold cache); turn it off only for records much smaller than a page."""
 
-    def __init__(self, root, readahead: bool = False, **kwargs):
+    def __init__(self, root, readahead: bool = True, **kwargs):
         super().__init__(root, **kwargs)
         self.readahead = readahead
         self._count = int(self.manifest["count"])

@@ -1,0 +1,208 @@
+"""``packer bench`` and ``packer bench --tune``: the structure and arithmetic of what they write, never a timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import write_image
+
+import packer
+from packer import bench
+
+FORMATS = ("lmdb", "hdf5", "wds")
+STORES = ("original", "jpeg 32/24", "raw 32/24")
+OUTPUT_BYTES = 24 * 24 * 3
+REAL_DISKS = ("ext4", "xfs", "btrfs")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """24 small images of varied sizes in 2 classes, one of them a PNG."""
+    root = tmp_path_factory.mktemp("bench") / "src"
+    for i in range(24):
+        name = f"{('ant', 'bee')[i % 2]}/{i:02d}.{'png' if i == 5 else 'jpg'}"
+        write_image(root / name, width=40 + i, height=36 + 3 * (i % 5), seed=i)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_folder, run_packer):
+    out = tiny_folder.parent / "out"
+    proc = run_packer("bench", tiny_folder, "--workers", "0", "--epochs", "1", "--cache", "warm,cold",
+                      "--resize", "32", "--center-crop", "24", "--read-resize", "32", "--read-crop", "24",
+                      "--batch-size", "4", "--step-ms", "1", "--disk-test-mb", "8", "--out", out, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return proc, out, json.loads((out / "results.json").read_text())
+
+
+def test_writes_every_output_and_removes_the_work_folder(bench_run):
+    proc, out, _ = bench_run
+    for name in ("results.json", "results.md", "results.txt"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    assert not list(out.glob("packer-bench-*")), "the work folder stays only with --keep"
+    assert "samples/s" in proc.stdout and "folder" in proc.stdout
+    assert "| dataset |" in (out / "results.md").read_text()
+
+
+def test_one_row_per_dataset_store_workers_epoch_cache(bench_run):
+    rows = bench_run[2]["rows"]
+    keys = [(r["dataset"], r["store"], r["workers"], r["epoch"], r["cache"]) for r in rows]
+    expected = [(f, s, 0, 1, c) for f, s in itertools.product(FORMATS, STORES) for c in ("warm", "cold")]
+    expected += [("folder", "files", 0, 1, c) for c in ("warm", "cold")]
+    assert sorted(keys) == sorted(expected)
+
+
+def test_rates_are_positive_and_megabytes_follow_from_them(bench_run):
+    results = bench_run[2]
+    assert results["output"] == {"shape": [3, 24, 24], "dtype": "uint8"}
+    for r in results["rows"]:
+        assert r["samples"] > 0 and r["samples_per_s"] > 0 and r["first_batch_s"] >= 0
+        assert r["bytes_per_sample_decoded"] == OUTPUT_BYTES
+        assert r["mb_per_s_decoded"] == pytest.approx(r["samples_per_s"] * OUTPUT_BYTES / 1e6)
+        assert r["mb_per_s_read"] == pytest.approx(r["samples_per_s"] * r["bytes_per_sample_read"] / 1e6)
+        assert 0 <= r["data_stall"] <= 1
+
+
+def test_bytes_read_per_sample_come_from_the_files(bench_run, tiny_folder):
+    results = bench_run[2]
+    source = sum(p.stat().st_size for p in tiny_folder.rglob("*.*"))
+    assert results["source"] == {"root": str(tiny_folder.resolve()), "images": 24, "bytes": source}
+    conversions = {(c["dataset"], c["store"]): c for c in results["conversions"]}
+    assert set(conversions) == set(itertools.product(FORMATS, STORES))
+    for r in results["rows"]:
+        size = source if r["dataset"] == "folder" else conversions[(r["dataset"], r["store"])]["bytes_on_disk"]
+        assert r["bytes_per_sample_read"] == pytest.approx(size / 24)
+    for c in conversions.values():
+        assert c["images"] == 24 and c["seconds"] > 0
+        assert c["images_per_s"] == pytest.approx(24 / c["seconds"])
+        assert c["size_vs_source"] == pytest.approx(c["bytes_on_disk"] / source)
+
+
+def test_speedup_is_the_rate_over_the_folder_rate_with_the_same_settings(bench_run):
+    rows = bench_run[2]["rows"]
+    folder = {(r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows if r["dataset"] == "folder"}
+    for r in rows:
+        base = folder[(r["workers"], r["epoch"], r["cache"])]
+        assert r["speedup_vs_folder"] == pytest.approx(r["samples_per_s"] / base)
+
+
+def test_fraction_of_ceiling_is_the_rate_over_the_lowest_bound(bench_run):
+    results = bench_run[2]
+    limits = results["limits"]
+    assert limits["memory_copy_gb_per_s"] > 0 and limits["disk"]["mb_per_s"] > 0
+    for r in results["rows"]:
+        bounds = {r["ceiling_kind"]: r["ceiling_samples_per_s"]}
+        if r["cache"] == "cold":
+            assert r["disk_ceiling_samples_per_s"] == pytest.approx(
+                limits["disk"]["mb_per_s"] * 1e6 / r["bytes_per_sample_read"])
+            bounds["disk"] = r["disk_ceiling_samples_per_s"]
+        else:
+            assert r["disk_ceiling_samples_per_s"] is None
+        assert r["ceiling_samples_per_s"] == pytest.approx(min(r["cpu_ceiling_samples_per_s"], *bounds.values()))
+        assert r["fraction_of_ceiling"] == pytest.approx(r["samples_per_s"] / r["ceiling_samples_per_s"])
+        if r["store"].startswith("raw"):  # stored at the output size: nothing to decode, a copy is the bound
+            assert r["cpu_ceiling_samples_per_s"] == pytest.approx(
+                limits["memory_copy_gb_per_s"] * 1e9 / OUTPUT_BYTES)
+        else:
+            assert r["cpu_ceiling_samples_per_s"] > 0
+
+
+def test_cold_rows_say_whether_the_eviction_took(bench_run):
+    results = bench_run[2]
+    for r in results["rows"]:
+        if r["cache"] == "warm":
+            assert r["eviction_ok"] is None
+            assert r["resident_before"] is None or r["resident_before"] > 0.99
+        else:
+            assert isinstance(r["eviction_ok"], bool)
+            if results["machine"]["work_filesystem"] in REAL_DISKS:
+                assert r["eviction_ok"] and r["resident_before"] < bench.EVICTED_BELOW
+
+
+def test_machine_and_settings_are_recorded(bench_run):
+    results = bench_run[2]
+    machine = results["machine"]
+    assert machine["usable_cores"] >= 1 and machine["memory_gib"] > 0 and machine["start_method"]
+    assert set(machine["versions"]) >= {"torch", "pillow", "simplejpeg", "h5py", "lmdb", "webdataset"}
+    assert machine["work_filesystem"] and results["command"].startswith("packer bench")
+    assert results["settings"]["read_crop"] == 24 and results["settings"]["workers"] == [0]
+
+
+def test_tune_writes_loader_json_that_make_loader_uses(tiny_folder, tmp_path, run_packer, capsys):
+    dest = tmp_path / "ds"
+    packer.pack(tiny_folder, dest, "lmdb", store="jpeg", resize=32, center_crop=24, progress=False)
+    proc = run_packer("bench", "--tune", dest, "--workers", "0,1", "--batch-sizes", "4,8", "--prefetch-factors",
+                      "2", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((dest / "loader.json").read_text())
+    results = data["measured"]["results"]
+    assert sorted((r["num_workers"], r["batch_size"], r["prefetch_factor"]) for r in results) == [
+        (0, 4, 2), (0, 8, 2), (1, 4, 2), (1, 8, 2)]
+    best = max(results, key=lambda r: r["samples_per_s"])
+    assert data["loader"] == {k: best[k] for k in ("num_workers", "batch_size", "prefetch_factor")}
+    assert data["measured"]["samples_per_s"] == best["samples_per_s"] > 0
+
+    loader = packer.make_loader(packer.open_dataset(dest))
+    assert (loader.num_workers, loader.batch_size) == (best["num_workers"], best["batch_size"])
+    prefetch = loader.prefetch_factor if best["num_workers"] else loader.prefetch_batches
+    assert prefetch == best["prefetch_factor"]
+    assert "loader.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "give the image folder SRC"),
+    (("src", "--tune", "dest"), "not both"),
+    (("src", "--store", "zip"), "unknown store"),
+    (("src", "--workers", "0,x"), "whole numbers"),
+])
+def test_bad_arguments_are_one_line_errors(run_packer, tmp_path, args, message):
+    proc = run_packer("bench", *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("packer: error:") and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_store_variants_parse():
+    assert bench.parse_variant("jpeg", 256, 224) == bench.Variant("jpeg", 256, 224)
+    assert bench.parse_variant("original", 256, 224) == bench.Variant("original")
+    assert bench.parse_variant("jpeg:256", 256, 224) == bench.Variant("jpeg", 256, None)
+    assert bench.parse_variant("raw:320x240/224").label == "raw 320x240/224"
+    with pytest.raises(ValueError, match="cannot resize"):
+        bench.parse_variant("original:256")
+
+
+@pytest.mark.parametrize("shape, transform, expected", [
+    ([224, 224, 3], {"resize": 256, "center_crop": [224, 224]}, (None, None)),  # stored at the output size
+    (None, {"resize": 256, "center_crop": None}, (None, 224)),  # stored resized: crop only
+    (None, {"resize": None, "center_crop": None}, (256, 224)),  # original: both
+    ([200, 200, 3], {"resize": 200, "center_crop": [200, 200]}, (256, 224)),  # another size: both
+])
+def test_read_geometry_brings_every_dataset_to_the_output_size(shape, transform, expected):
+    assert bench.read_geometry({"shape": shape, "transform": transform}, 256, 224) == expected
+
+
+def test_rates_exclude_the_warm_up_batches():
+    class Loader:
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def __len__(self):
+            return len(self.sizes)
+
+        def __iter__(self):
+            import torch
+
+            return iter([(torch.zeros(n, 3, 2, 2, dtype=torch.uint8), None) for n in self.sizes])
+
+    first, second = bench.run_epochs(Loader([4, 4, 4, 4, 2]), epochs=2)
+    assert (first.skipped_batches, first.samples, first.batches) == (2, 10, 5)
+    assert (second.skipped_batches, second.samples) == (0, 18)
+    assert first.decoded_bytes == 10 * 12
+    short = bench.run_epochs(Loader([4, 4, 1]), epochs=1)[0]
+    assert (short.skipped_batches, short.samples) == (1, 5), "at most half of a short epoch is skipped"
+    assert math.isfinite(first.seconds) and first.seconds >= first.wait
