@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shlex
 import sys
@@ -15,7 +16,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import PackerError
+from .errors import ManifestError, PackerError
 from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -74,7 +75,7 @@ def main() -> None:
               help="original: the file's bytes (default without resize/crop); jpeg: re-encode (default when "
                    "resizing); png: lossless; raw: decoded uint8 pixels, the fastest to load.")
 @click.option("--resize", default=None, help="N: shorter side to N (aspect kept); WxH: exact size.")
-@click.option("--max-size", type=int, default=None, help="Cap the longer side at N; never upscales.")
+@click.option("--max-size", type=click.IntRange(1), default=None, help="Cap the longer side at N; never upscales.")
 @click.option("--center-crop", default=None, help="N or WxH: crop the centre after the resize.")
 @click.option("--interpolation", type=click.Choice(list(INTERPOLATIONS)), default="bilinear", show_default=True)
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality.")
@@ -135,6 +136,15 @@ def info(dest, as_json) -> None:
     if as_json:
         click.echo(json.dumps(manifest, indent=1, ensure_ascii=False))
         return
+    try:
+        lines = info_lines(dest, manifest)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a hand-edited manifest missing a field
+        raise ManifestError(f"{os.path.join(dest, 'manifest.json')}: malformed ({type(exc).__name__}: {exc}); "
+                            "re-pack the dataset") from None
+    click.echo("\n".join(lines))
+
+
+def info_lines(dest: str, manifest: dict) -> list[str]:
     t = manifest["transform"]
     lines = [summary_line(dest, manifest),
              f"  packed by packer {manifest.get('packer_version')} on {manifest.get('created')} from "
@@ -156,7 +166,7 @@ def info(dest, as_json) -> None:
         lines.append(f"  skipped {entry['path']}: {entry['error']}")
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
-    click.echo("\n".join(lines))
+    return lines
 
 
 @main.command()

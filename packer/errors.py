@@ -23,6 +23,9 @@ class ImageError(PackerError):
         self.path = path
         self.reason = reason
 
+    def __reduce__(self):  # workers send it to the main process: rebuild it from both arguments
+        return type(self), (self.path, self.reason)
+
 
 class DestinationError(PackerError):
     """The destination exists and is not empty, or cannot be written."""

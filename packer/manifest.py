@@ -67,7 +67,7 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
     """Parse and check a manifest; anything malformed is a :class:`ManifestError` naming ``where``."""
     try:
         data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ManifestError(f"{where}: not valid JSON ({exc}); the dataset is damaged, re-pack it") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{where}: not a packer manifest (expected a JSON object)")
@@ -85,6 +85,17 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
                 and _is_safe_relpath(entry["path"])):
             raise ManifestError(f"{where}: malformed entry in 'files'; the dataset is damaged, re-pack it")
+    shards = data.get("shards", [])
+    if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("path"), str) and _is_safe_relpath(s["path"])
+            and isinstance(s.get("count", 0), int) for s in shards):
+        raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
+    from .transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
+
+    try:
+        TransformSpec.from_dict(data["transform"])
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"{where}: malformed 'transform' ({exc}); the dataset is damaged, re-pack it") from None
     return data
 
 

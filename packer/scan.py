@@ -83,6 +83,10 @@ def scan_folder(root: str | os.PathLike, include_hidden: bool = False) -> ScanRe
         raise SourceError(
             f"{root}: no class folders found; an image folder holds one sub-folder per class (root/<class>/<image>)"
         )
+    for cls in classes:  # a class name goes in the manifest: it must be UTF-8 (skipping it would renumber classes)
+        if _check_name(cls):
+            shown = os.fsencode(cls).decode("utf-8", "backslashreplace")
+            raise SourceError(f"{root / shown}: class folder name is not valid UTF-8; rename the folder")
     result = ScanResult(root=root, classes=classes, class_to_idx={c: i for i, c in enumerate(classes)}, samples=[])
     result.hidden_skipped = hidden
     for label, cls in enumerate(classes):
@@ -99,6 +103,8 @@ def _links_back(dirpath: str, key: tuple[int, int], folder_ids: dict[str, tuple[
     while parent in folder_ids:
         if folder_ids[parent] == key:
             return True
+        if os.path.dirname(parent) == parent:  # "" or "/": the top
+            break
         parent = os.path.dirname(parent)
     return False
 
@@ -106,6 +112,8 @@ def _links_back(dirpath: str, key: tuple[int, int], folder_ids: dict[str, tuple[
 def _scan_class(root: Path, cls: str, label: int, include_hidden: bool, result: ScanResult) -> int:
     count = 0
     folder_ids: dict[str, tuple[int, int]] = {}
+    st = os.stat(root)  # a link back to the source root is a loop too (it would repeat every class)
+    folder_ids[os.path.dirname(os.fspath(root / cls))] = (st.st_dev, st.st_ino)  # as os.walk spells it
 
     def onerror(err: OSError) -> None:
         rel = os.path.relpath(err.filename, root).replace(os.sep, "/")

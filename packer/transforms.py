@@ -17,6 +17,8 @@ fast; every other image goes through Pillow.
 from __future__ import annotations
 
 import io
+import os
+import stat
 import zlib
 from dataclasses import asdict, dataclass, field
 
@@ -39,6 +41,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Pillow's own decompression-bomb threshold (about 9459 x 9459): larger images are refused, not decoded.
 DEFAULT_MAX_PIXELS = 89_478_485
+MAX_SIDE = 65535  # the formats store height and width as uint16
 # The image extension a stored member gets, by Pillow format; WebDataset decoders key on these.
 EXTENSION_BY_FORMAT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "TIFF": "tif", "PPM": "ppm"}
 
@@ -126,10 +129,13 @@ def parse_size(text: str | int | None) -> int | Size | None:
     if text is None or isinstance(text, int):
         return text
     text = str(text).lower().strip()
-    if "x" in text:
-        w, h = text.split("x", 1)
-        return int(w), int(h)
-    return int(text)
+    try:
+        size = tuple(int(v) for v in text.split("x", 1)) if "x" in text else int(text)
+    except ValueError:
+        size = None
+    if size is None or min(size if isinstance(size, tuple) else (size,)) < 1:
+        raise ValueError(f"{text!r} is not a size: give a positive N, or WxH such as 320x240")
+    return size
 
 
 def output_size(width: int, height: int, resize: int | Size | None, max_size: int | None) -> Size:
@@ -143,8 +149,11 @@ def output_size(width: int, height: int, resize: int | Size | None, max_size: in
             new_short, new_long = int(max_size * new_short / new_long), max_size
         return (new_short, new_long) if width <= height else (new_long, new_short)
     if max_size and max(width, height) > max_size:
-        scale = max_size / max(width, height)
-        return (max_size, int(height * scale)) if width >= height else (int(width * scale), max_size)
+        # int(max_size * short / long), as torchvision: int(short * (max_size / long)) can lose a pixel to float
+        # rounding (a 97x97 image capped at 50 became 50x49)
+        short, long = min(width, height), max(width, height)
+        new_short = int(max_size * short / long)
+        return (max_size, new_short) if width >= height else (new_short, max_size)
     return width, height
 
 
@@ -254,11 +263,18 @@ def to_pil(array: np.ndarray) -> Image.Image:
 def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
     """Read the source file at ``path`` and produce what gets stored for it (``name`` is used in errors)."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not block the conversion forever
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ImageError(name, "not a regular file (a folder, pipe or device); remove it")
             data = f.read()
     except OSError as exc:
         raise ImageError(name, f"cannot read file: {exc.strerror}; check its permissions") from None
-    return convert_bytes(data, name, spec)
+    encoded = convert_bytes(data, name, spec)
+    if max(encoded.shape[:2]) > MAX_SIDE:  # every format records each side in 16 bits
+        raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels, which "
+                               "packer cannot store; shrink it (--max-size) or remove it")
+    return encoded
 
 
 def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
@@ -270,6 +286,22 @@ def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
     img = open_image(data, name, spec.max_pixels)
     if spec.exif_transpose:
         img = ImageOps.exif_transpose(img)
+    return encode_image(img, spec)
+
+
+def convert_array(array: np.ndarray, name: str, spec: TransformSpec) -> Encoded:
+    """What gets stored for an already decoded (H, W, C) uint8 image (a raw sample of a packed dataset being
+    re-packed); ``exif_transpose`` does not apply, the pixels are already upright."""
+    if spec.store == "original":
+        raise ImageError(name, "is stored as decoded pixels, so there are no original file bytes to keep; choose "
+                               "--store raw, png or jpeg")
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] not in (1, 3):
+        raise ImageError(name, f"is a {array.dtype} array of shape {array.shape}, not (H, W, 1 or 3) uint8 pixels")
+    return encode_image(to_pil(array), spec)
+
+
+def encode_image(img: Image.Image, spec: TransformSpec) -> Encoded:
+    """Convert to ``spec.mode``, apply the geometry, and encode as ``spec.store`` (jpeg, png or raw)."""
     img = apply_geometry(img.convert(spec.mode), spec.resize, spec.max_size, spec.center_crop, spec.interpolation)
     shape = (img.height, img.width, spec.channels)
     if spec.store == "raw":

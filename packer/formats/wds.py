@@ -44,7 +44,9 @@ def shard_name(i: int) -> str:
 def default_shard_samples(count: int, estimated_bytes: int, shard_bytes: int) -> int:
     """Samples per shard: at least MIN_SHARDS shards where there are that many samples, none over shard_bytes."""
     shards = max(MIN_SHARDS, math.ceil(estimated_bytes / shard_bytes))
-    return max(1, math.ceil(count / shards))
+    # the most samples per shard that still gives that many shards: ceil(count / shards) alone can give fewer
+    # (14 samples, 2 per shard: 7 shards)
+    return max(1, min(math.ceil(count / shards), (count - 1) // (shards - 1)))
 
 
 def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
@@ -63,6 +65,7 @@ class WdsWriter(Writer):
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
         self.classes = options.get("classes", [])
+        self.key_offset = int(options.get("key_offset") or 0)  # a rank's part numbers its keys from its first sample
         self.index = np.zeros(max(expected_count, 1), INDEX_DTYPE)
         self.shards: list[dict[str, Any]] = []
         self.tar: tarfile.TarFile | None = None
@@ -75,6 +78,13 @@ class WdsWriter(Writer):
         start = self.tar.offset + tarfile.BLOCKSIZE
         self.tar.addfile(info, io.BytesIO(data))
         return start
+
+    def _size_after(self, *member_sizes: int) -> int:
+        """The shard's file size if it ended after members of these sizes: each member is a header block and its
+        data padded to whole blocks; the end of the archive adds two zero blocks, then pads to a whole record."""
+        block = tarfile.BLOCKSIZE
+        end = self.tar.offset + sum(block + -(-n // block) * block for n in member_sizes) + 2 * block
+        return -(-end // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
     def _start_shard(self) -> None:
         self._finish_shard()
@@ -123,7 +133,7 @@ class WdsWriter(Writer):
         return count
 
     def write(self, label: int, relpath: str, item: Encoded) -> int | None:
-        keyname = f"{self.count:09d}"
+        keyname = f"{self.key_offset + self.count:09d}"
         if item.ext == "raw":
             data, header = npy_bytes(item.payload, item.shape, self.spec.dtype)
             ext = "npy"
@@ -132,9 +142,9 @@ class WdsWriter(Writer):
         meta = json.dumps({"relpath": relpath, "label": label,
                            "class": self.classes[label] if label < len(self.classes) else str(label),
                            "shape": list(item.shape)}, sort_keys=True, ensure_ascii=False).encode("utf-8")
-        size = len(data) + len(meta) + 3 * tarfile.BLOCKSIZE
         full = self.tar is not None and (
-            self.in_shard >= self.shard_samples or (self.shard_bytes and self.tar.offset + size > self.shard_bytes))
+            self.in_shard >= self.shard_samples
+            or (self.shard_bytes and self._size_after(len(data), len(str(label)), len(meta)) > self.shard_bytes))
         durable = None
         if self.tar is None or full:
             durable = self.count if self.tar is not None else None
@@ -234,8 +244,13 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
     f = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(f)
-        shape, fortran, dtype = np.lib.format._read_array_header(f, version)
-    except (ValueError, OSError) as exc:
+        if version == (1, 0):  # numpy's public readers; versions 3.0+ only matter for unicode field names
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
+    except Exception as exc:  # numpy's header parser raises ValueError, tokenize.TokenError, SyntaxError...
         raise CorruptDataError(f"{where}: not a valid .npy member ({exc})") from None
     if fortran or dtype != np.uint8 or len(shape) not in (2, 3):
         raise CorruptDataError(f"{where}: .npy member must be a C-order uint8 (H, W[, C]) array")
