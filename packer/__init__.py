@@ -2,7 +2,8 @@
 
 Public API (imported lazily, so ``packer pack`` does not pay for torch until it needs it)::
 
-    packer.pack(src, dest, format="lmdb", ...)      # convert; returns the manifest
+    packer.pack(src, dest, format="lmdb", ...)      # convert (or repack); returns the manifest
+    packer.export(dest, out)                        # a packed dataset back to an image folder
     packer.open_dataset(dest, transform=None)       # the format's Dataset
     packer.LmdbDataset, Hdf5Dataset, WdsDataset, FolderDataset
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "pack": "packer.convert",
+    "export": "packer.exporter",
     "open_dataset": "packer.formats",
     "read_manifest": "packer.manifest",
     "LmdbDataset": "packer.formats.lmdb",

@@ -79,8 +79,8 @@ def main() -> None:
 @click.option("--center-crop", default=None, help="N or WxH: crop the centre after the resize.")
 @click.option("--interpolation", type=click.Choice(list(INTERPOLATIONS)), default="bilinear", show_default=True)
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality.")
-@click.option("--mode", type=click.Choice(["RGB", "L"]), default="RGB", show_default=True,
-              help="RGB as ImageFolder, or L to keep one channel.")
+@click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
+              help="RGB as ImageFolder (the default), or L to keep one channel; a packed SRC keeps its own mode.")
 @click.option("--exif-transpose", is_flag=True, help="Apply the EXIF orientation (ImageFolder does not).")
 @click.option("--normalize", is_flag=True, help="Store (x/255 - mean)/std as float arrays (store raw).")
 @click.option("--mean", type=floats, default="0.485,0.456,0.406", show_default=True)
@@ -100,12 +100,19 @@ def main() -> None:
 @click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
 @click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Refuse images with more pixels (decompression bombs).")
+@click.option("--label-key", default=None,
+              help="WebDataset SRC: the member that holds the integer label: cls (default), txt, json:FIELD...")
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
 @handle_errors
 def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation, quality, mode, exif_transpose,
          normalize, mean, std, dtype, workers, shuffle, seed, shard_size, shard_samples, strict, overwrite, resume,
-         include_hidden, max_pixels, quiet) -> None:
-    """Convert the image folder SRC (SRC/<class>/**/<image>) into a dataset in DEST."""
+         include_hidden, max_pixels, label_key, quiet) -> None:
+    """Convert SRC into a dataset in DEST. SRC is an image folder (SRC/<class>/**/<image>), a dataset packed by
+    packer (to change format or re-pack with a new transform), or WebDataset shards from any tool: a folder of
+    .tar files, one .tar, or a quoted glob such as 'shards/*.tar'.
+
+    Started by torchrun (torchrun --nproc_per_node=K -m packer pack ...), every rank converts a part; DEST must
+    then be on a filesystem every node shares."""
     from .convert import pack as run_pack
 
     manifest = run_pack(src, dest, format_, store=store, resize=resize, max_size=max_size, center_crop=center_crop,
@@ -113,8 +120,9 @@ def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation
                         normalize=normalize, mean=mean, std=std, dtype=dtype, workers=workers, shuffle=shuffle,
                         seed=seed, shard_size=parse_bytes(shard_size), shard_samples=shard_samples,
                         strict=strict, overwrite=overwrite, resume=resume, include_hidden=include_hidden,
-                        max_pixels=max_pixels, progress=not quiet)
-    click.echo(summary_line(dest, manifest))
+                        max_pixels=max_pixels, label_key=label_key, progress=not quiet)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
+        click.echo(summary_line(dest, manifest))
 
 
 def summary_line(dest: str, manifest: dict) -> str:
@@ -160,6 +168,8 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     if manifest.get("shards"):
         counts = [s["count"] for s in manifest["shards"]]
         lines.append(f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each")
+    if manifest.get("parts"):
+        lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
     order = manifest.get("order", {})
     lines.append(f"  order: {'shuffled, seed ' + str(order.get('seed')) if order.get('shuffle') else 'scan order'}")
     for entry in manifest.get("skipped", []):
@@ -167,6 +177,22 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
     return lines
+
+
+@main.command()
+@click.argument("dest", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is an image folder (a previous export).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@handle_errors
+def export(dest, out, overwrite, quiet) -> None:
+    """Write the packed dataset DEST out as an image folder OUT/<class>/...: the stored bytes (the original files
+    when stored original), raw pixels as lossless PNG."""
+    from .exporter import export as run_export
+
+    result = run_export(dest, out, overwrite=overwrite, progress=not quiet)
+    renamed = f" ({result['renamed']} renamed to match their encoding)" if result["renamed"] else ""
+    click.echo(f"{out}: {result['count']} images in {result['classes']} class folders{renamed}")
 
 
 @main.command()

@@ -1,13 +1,14 @@
-"""``pack()``: convert an image folder into a packed dataset.
+"""``pack()``: convert an image folder (or a packed dataset, or WebDataset shards) into a packed dataset.
 
 Worker processes read, decode, transform and encode images in fixed chunks; the main process writes them in
 order, so the output (samples, order, labels, bytes) does not depend on the number of workers. At most a few
-chunks per worker are in flight, so memory stays flat however large the dataset.
+chunks per worker are in flight, so memory stays flat however large the dataset. What is read comes from a
+:class:`packer.sources.Source`; under torchrun each rank converts one contiguous part (:mod:`packer.distributed`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -16,6 +17,7 @@ import signal
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,9 @@ from . import __version__
 from .errors import DestinationError, ImageError, PackerError, SourceError
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
-from .scan import scan_folder
+from .sources import SampleReader, Source, open_source
 from .system import usable_cores
-from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, TransformSpec, convert_file, parse_size
+from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, TransformSpec, parse_size
 
 CHUNK = 16
 MARKER = ".packer-in-progress"
@@ -38,25 +40,60 @@ def warn(message: str) -> None:
     print(f"packer: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _convert_chunk(args: tuple[str, list[tuple[int, str, int]], TransformSpec]) -> list[tuple]:
-    root, items, spec = args
+def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
+    """Convert ``(position, source index)`` items; returns ``(position, relpath, label, Encoded or error)``."""
     out = []
-    for position, relpath, label in items:
+    for position, index in items:
         try:
-            out.append((position, relpath, label, convert_file(os.path.join(root, relpath), relpath, spec)))
+            relpath, label, encoded = reader.convert(index, spec)
+            out.append((position, relpath, label, encoded))
+        # errors travel as plain tuples: anything the pool cannot unpickle would hang it instead of failing
         except ImageError as exc:
-            out.append((position, relpath, label, exc))
+            out.append((position, exc.path, -1, ("skip", exc.reason)))
+        except Exception as exc:  # a bug, not a bad image: the conversion stops and names the file
+            out.append((position, reader.name(index), -1, ("fail", f"{type(exc).__name__}: {exc}")))
     return out
+
+
+_READER: SampleReader | None = None  # the source's reader, in each worker process
+
+
+def _init_worker(reader: SampleReader) -> None:
+    global _READER
+    _ignore_sigint()
+    _die_with_parent()
+    _READER = reader  # given once per worker (inherited through fork): chunks then carry only indices
+
+
+def _die_with_parent() -> None:
+    """On Linux, a worker is killed when the converter dies. Without it, a worker left blocked on the pool's
+    queue lock after an error outlives the converter (seen after a full disk, with Python 3.11's Pool) and keeps
+    its stdout and stderr open, so whoever waits for the command's output waits forever."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = mp.parent_process()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent.pid:  # the converter died before prctl
+        os._exit(1)
+
+
+def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tuple]:
+    items, spec = args
+    return _convert_items(_READER, items, spec)
 
 
 def make_spec(store: str | None = None, resize: int | str | None = None, max_size: int | None = None,
               center_crop: int | str | None = None, interpolation: str = "bilinear", quality: int = 90,
-              mode: str = "RGB", exif_transpose: bool = False, normalize: bool = False,
+              mode: str | None = "RGB", exif_transpose: bool = False, normalize: bool = False,
               mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
               dtype: str | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> TransformSpec:
     """Fill in the defaults: ``original`` unless pixels change, ``jpeg`` when resizing, ``raw`` to normalize."""
     crop = parse_size(center_crop)
     crop = (crop, crop) if isinstance(crop, int) else crop
+    mode = mode or "RGB"
     changes = bool(resize or max_size or crop or mode != "RGB" or exif_transpose)
     if store is None:
         store = "raw" if normalize else ("jpeg" if changes else "original")
@@ -71,6 +108,9 @@ def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
     src_r, dest_r = src.resolve(), dest.resolve()
     if dest_r == src_r or src_r.is_relative_to(dest_r):
         raise DestinationError(f"{dest}: the destination would contain the source; choose another folder")
+    if dest_r.is_relative_to(src_r):
+        raise DestinationError(f"{dest}: the destination is inside the source folder {src}, so packing would change "
+                               "the source; choose a folder outside it")
     if dest.exists() and not dest.is_dir():
         raise DestinationError(f"{dest}: exists and is not a folder; choose another destination")
     if dest.exists() and any(dest.iterdir()):
@@ -81,31 +121,6 @@ def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
                                    "choose an empty or new folder")
         shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
-
-
-def _estimate_bytes(src: Path, samples: list[tuple[str, int]], spec: TransformSpec) -> int:
-    shape = spec.fixed_shape
-    if spec.store == "raw" and shape:
-        return len(samples) * int(np.prod(shape)) * np.dtype(spec.dtype).itemsize
-    total = 0
-    for rel, _ in samples:
-        try:
-            total += os.stat(src / rel).st_size
-        except OSError:
-            pass
-    return total * (8 if spec.store == "raw" else 1)
-
-
-def _fingerprint(scan, src: Path) -> str:
-    """A digest of what the scan found (paths, labels, sizes, mtimes): a resumed run must see the same source."""
-    h = hashlib.sha256(json.dumps([scan.classes, scan.errors]).encode())
-    for rel, label in scan.samples:
-        try:
-            st = os.stat(src / rel)
-            h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(f"{rel}\0{label}\0missing\n".encode())
-    return h.hexdigest()
 
 
 def read_journal(dest: Path) -> dict | None:
@@ -128,95 +143,210 @@ def _differences(old: dict, new: dict) -> list[str]:
 
 def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", *, store: str | None = None,
          resize: int | str | None = None, max_size: int | None = None, center_crop: int | str | None = None,
-         interpolation: str = "bilinear", quality: int = 90, mode: str = "RGB", exif_transpose: bool = False,
+         interpolation: str = "bilinear", quality: int = 90, mode: str | None = None, exif_transpose: bool = False,
          normalize: bool = False, mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
          dtype: str | None = None, workers: int | None = None, shuffle: bool | None = None, seed: int = 0,
          shard_size: int | None = None, shard_samples: int | None = None, strict: bool = False,
          overwrite: bool = False, resume: bool = False, include_hidden: bool = False,
-         max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> dict[str, Any]:
-    """Convert the image folder ``src`` into a ``format`` dataset in ``dest`` and return its manifest.
+         max_pixels: int = DEFAULT_MAX_PIXELS, label_key: str | None = None, distributed: bool | None = None,
+         progress: bool = True) -> dict[str, Any]:
+    """Convert ``src`` into a ``format`` dataset in ``dest`` and return its manifest.
+
+    ``src`` is an image folder, a dataset packed by packer (any format: repacking keeps relpaths, and with
+    ``store="original"`` the stored bytes), or WebDataset shards written by any tool (a folder of ``.tar`` files,
+    one ``.tar``, or a glob; the label comes from ``label_key``: ``cls``, ``txt``, ``json:FIELD``...).
+    ``mode`` defaults to RGB, or to the mode of a packed source.
 
     ``resume=True`` continues an interrupted conversion of the same source with the same options, and returns
-    the existing manifest if ``dest`` is already finished. See the README for every option; the CLI's
-    ``packer pack`` calls this with the same names."""
-    src, dest = Path(src), Path(dest)
+    the existing manifest if ``dest`` is already finished. Under torchrun (``WORLD_SIZE`` > 1) or in an
+    initialised process group, every rank converts one part and rank 0 writes one manifest over all of them
+    (``distributed=False`` converts in this process only; see :mod:`packer.distributed`). See the README for
+    every option; the CLI's ``packer pack`` calls this with the same names."""
+    from .distributed import detect, pack_distributed
+
+    dest = Path(dest)
     writer_cls, _ = get_format(format)
-    spec = make_spec(store, resize, max_size, center_crop, interpolation, quality, mode, exif_transpose, normalize,
-                     mean, std, dtype, max_pixels)
+    context = detect(distributed)
     if resume and (dest / MANIFEST).exists():
-        print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
+        if context is None or context.rank == 0:
+            print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
+        if context is not None:
+            context.close()
         return read_manifest(dest)
-    scan = scan_folder(src, include_hidden=include_hidden)
-    if scan.hidden_skipped:
-        warn(f"skipped {scan.hidden_skipped} hidden files and folders in {src} (names starting with '.'); "
+
+    def plan(quiet: bool = False) -> _Plan:
+        return _plan(src, format, writer_cls, dict(
+            store=store, resize=resize, max_size=max_size, center_crop=center_crop, interpolation=interpolation,
+            quality=quality, mode=mode, exif_transpose=exif_transpose, normalize=normalize, mean=mean, std=std,
+            dtype=dtype, max_pixels=max_pixels), shuffle=shuffle, seed=seed, shard_size=shard_size,
+            shard_samples=shard_samples, strict=strict, include_hidden=include_hidden, label_key=label_key,
+            workers=workers, progress=progress, quiet=quiet)
+
+    if context is not None:
+        return pack_distributed(context, plan, dest, resume=resume, overwrite=overwrite)
+    p = plan()
+    journal, resuming = open_journal(dest, p, resume, overwrite)
+    started = time.time()
+    result = convert_samples(dest, p, p.order, journal, resuming)
+    manifest = make_manifest(p, result.count, result.extras, result.skipped, result.resumed, time.time() - started)
+    try:
+        write_manifest(dest, manifest)
+    except OSError as exc:
+        raise _write_failed(dest, exc) from None
+    (dest / MARKER).unlink()
+    return manifest
+
+
+@dataclass
+class _Plan:
+    """Everything every rank decides identically before converting: the source, the transform, the options the
+    journal records, and the output order (source indices)."""
+
+    source: Source
+    format: str
+    writer_cls: type
+    spec: TransformSpec
+    options: dict[str, Any]
+    order: list[int]
+    sizes: np.ndarray  # bytes of each source sample, by source index
+    shuffle: bool
+    seed: int
+    shard_size: int | None
+    shard_samples: int | None
+    strict: bool
+    workers: int | None
+    progress: bool
+    shape: list[int] | None
+
+    def estimate(self, indices: list[int]) -> int:
+        """The bytes that converting these samples stores, roughly (LMDB map size, shard sizing)."""
+        spec = self.spec
+        if spec.store == "raw" and spec.fixed_shape:
+            return len(indices) * int(np.prod(spec.fixed_shape)) * np.dtype(spec.dtype).itemsize
+        total = int(self.sizes[np.asarray(indices, dtype=np.int64)].sum()) if len(indices) else 0
+        return total * (8 if spec.store == "raw" and self.source.stored != "raw" else 1)
+
+
+def _plan(src, format: str, writer_cls: type, transform: dict[str, Any], *, shuffle: bool | None, seed: int,
+          shard_size: int | None, shard_samples: int | None, strict: bool, include_hidden: bool,
+          label_key: str | None, workers: int | None, progress: bool, quiet: bool = False) -> _Plan:
+    """Open the source, settle the transform and the order; ``quiet`` leaves the warnings to another rank."""
+    source = open_source(src, include_hidden=include_hidden, label_key=label_key)
+    if transform["store"] is None:
+        transform["store"] = source.default_store
+    transform["mode"] = transform["mode"] or source.mode
+    spec = make_spec(**transform)
+    source.check(spec)
+    where = source.root if source.kind == "folder" else src
+    if source.hidden_skipped and not quiet:
+        warn(f"skipped {source.hidden_skipped} hidden files and folders in {where} (names starting with '.'); "
              "pass --include-hidden to keep them")
-    for cls in scan.empty_classes:
-        warn(f"class {cls!r} has no images; it keeps its index {scan.class_to_idx[cls]}")
-    if strict and scan.errors:
-        rel, why = scan.errors[0]
-        raise ImageError(str(src / rel), why)
-    if spec.normalize:
+    for cls in source.empty_classes if not quiet else ():
+        warn(f"class {cls!r} has no images; it keeps its index {source.class_to_idx[cls]}")
+    if strict and source.errors:
+        rel, why = source.errors[0]
+        raise ImageError(source.where(rel), why)
+    if spec.normalize and not quiet:
         per = np.dtype(spec.dtype).itemsize
         warn(f"--normalize stores {spec.dtype} arrays: {per}x the bytes of raw uint8 and far more than JPEG")
-    if shuffle is None:
-        shuffle = format == "wds"  # WebDataset is read sequentially, so its order is the shuffle
+    if shuffle is None:  # WebDataset is read sequentially, so its order is the shuffle (unless it already is one)
+        shuffle = format == "wds" and not source.shuffled
     options = {"format": format, "transform": spec.to_dict(), "shuffle": bool(shuffle), "seed": seed,
                "shard_size": shard_size, "shard_samples": shard_samples, "include_hidden": include_hidden,
-               "strict": strict, "source": str(src.resolve()), "fingerprint": _fingerprint(scan, src)}
+               "strict": strict, "source": source.key, "fingerprint": source.fingerprint()}
+    if label_key is not None:
+        options["label_key"] = label_key
     options = json.loads(json.dumps(options))  # as the journal will hold them: lists, not tuples
+    order = list(range(source.count))
+    if shuffle:
+        order = np.random.default_rng(seed).permutation(len(order)).tolist()
+    if not quiet:
+        for rel, why in source.errors:
+            warn(f"skipped {source.where(rel)}: {why}")
+    shape = list(spec.fixed_shape) if spec.fixed_shape else None
+    geometry = spec.resize or spec.max_size or spec.center_crop or spec.normalize
+    if shape is None and source.shape and not geometry and spec.mode == source.mode:
+        shape = list(source.shape)  # a repack that keeps the pixels keeps the source's fixed shape
+    return _Plan(source, format, writer_cls, spec, options, order, source.sizes(), bool(shuffle), seed, shard_size,
+                 shard_samples, strict, workers, progress, shape)
+
+
+def open_journal(dest: Path, plan: _Plan, resume: bool, overwrite: bool) -> tuple[dict, bool]:
+    """The journal of the conversion into ``dest``: the interrupted one when resuming (its options must match),
+    else a fresh one in a prepared, empty ``dest``. Returns it and whether it resumes."""
     journal = read_journal(dest) if resume else None
-    resuming = journal is not None
     if journal is not None:
-        changed = _differences(journal["options"], options)
+        changed = _differences(journal["options"], plan.options)
         if changed:
             raise DestinationError(f"{dest}: the interrupted conversion used a different {', '.join(changed)}; "
                                    "resume with the same source and options, or start again with --overwrite")
-    else:
-        if resume:
-            warn(f"nothing to resume in {dest}; starting afresh")
-        _prepare_dest(dest, src, overwrite)
-        journal = {"options": options, "position": 0, "skipped": [], "writer": None}
-        write_json_atomic(dest / MARKER, journal)
+        return journal, True
+    if resume:
+        warn(f"nothing to resume in {dest}; starting afresh")
+    _prepare_dest(dest, plan.source.root, overwrite)
+    journal = {"options": plan.options, "position": 0, "skipped": [], "writer": None}
+    write_json_atomic(dest / MARKER, journal)
+    return journal, False
 
-    order = list(range(len(scan.samples)))
-    if shuffle:
-        order = np.random.default_rng(seed).permutation(len(order)).tolist()
-    samples = [scan.samples[i] for i in order]
-    estimated = _estimate_bytes(src, samples, spec)
-    writer_options = {"estimated_bytes": estimated, "shard_bytes": shard_size, "shard_samples": shard_samples,
-                      "classes": scan.classes}
-    started = time.time()
-    writer = writer_cls(dest, spec, len(samples), writer_options)
-    conversion = _Conversion(src, dest, samples, spec, writer, journal, strict, progress)
-    for rel, why in scan.errors:
-        warn(f"skipped {src / rel}: {why}")
+
+@dataclass
+class _Converted:
+    count: int
+    extras: dict[str, Any]  # what the writer adds to the manifest: files, shards
+    skipped: list[dict]
+    resumed: bool
+
+
+def convert_samples(dest: Path, plan: _Plan, indices: list[int], journal: dict, resuming: bool, *,
+                    allow_empty: bool = False, key_offset: int = 0, progress: bool | None = None,
+                    desc: str | None = None, on_progress=None) -> _Converted:
+    """Convert source samples ``indices``, in that order, into ``dest`` with its journal. ``allow_empty`` keeps a
+    conversion where every image was skipped (one rank's part); ``key_offset`` numbers WebDataset keys from there."""
+    writer_options = {"estimated_bytes": plan.estimate(indices), "shard_bytes": plan.shard_size,
+                      "shard_samples": plan.shard_samples, "classes": plan.source.classes, "key_offset": key_offset}
+    writer = plan.writer_cls(dest, plan.spec, len(indices), writer_options)
+    conversion = _Conversion(plan.source, dest, indices, plan.spec, writer, journal, plan.strict,
+                             plan.progress if progress is None else progress, desc, on_progress)
     try:
         conversion.restore(resuming)
-        conversion.run(workers)
-        if writer.count == 0:
-            raise SourceError(f"{src}: none of the {len(samples)} images could be read; nothing was packed")
+        conversion.run(plan.workers)
+        if writer.count == 0 and not allow_empty:
+            where = plan.source.root if plan.source.kind == "folder" else plan.options["source"]
+            raise SourceError(f"{where}: none of the {len(indices)} images could be read; nothing was packed")
         extras = writer.close()
-    except BaseException:
-        writer.abort()
+    except BaseException as exc:
+        try:
+            writer.abort()
+        except OSError:
+            pass  # a full disk fails the final flush too; the journal still marks the last durable point
+        if isinstance(exc, OSError):  # from close(): finishing the data files
+            raise _write_failed(dest, exc) from None
         raise
-    skipped = [{"path": rel, "error": why} for rel, why in scan.errors]
-    skipped += [{"path": e["path"], "error": e["error"]} for e in conversion.skipped]
-    manifest = {
-        "format": format, "format_version": FORMAT_VERSION, "packer_version": __version__,
+    skipped = [{"path": e["path"], "error": e["error"]} for e in conversion.skipped]
+    return _Converted(writer.count, extras, skipped, conversion.resumed)
+
+
+def make_manifest(plan: _Plan, count: int, extras: dict[str, Any], skipped: list[dict], resumed: bool,
+                  seconds: float) -> dict[str, Any]:
+    source, spec = plan.source, plan.spec
+    return {
+        "format": plan.format, "format_version": FORMAT_VERSION, "packer_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": {"root": str(src.resolve()), "images": len(scan.samples), "bytes": estimated if spec.store !=
-                   "raw" else None},
-        "count": writer.count, "classes": scan.classes, "class_to_idx": scan.class_to_idx,
-        "store": spec.store, "transform": spec.to_dict(),
-        "shape": list(spec.fixed_shape) if spec.fixed_shape else None, "dtype": spec.dtype,
-        "order": {"shuffle": bool(shuffle), "seed": seed}, "checksum": "crc32",
+        "source": {**source.describe(), "images": source.count,
+                   "bytes": int(plan.sizes.sum()) if spec.store != "raw" else None},
+        "count": count, "classes": source.classes, "class_to_idx": source.class_to_idx,
+        "store": spec.store, "transform": spec.to_dict(), "shape": plan.shape, "dtype": spec.dtype,
+        "order": {"shuffle": plan.shuffle, "seed": plan.seed}, "checksum": "crc32",
         **extras,
-        "skipped": skipped, "hidden_skipped": scan.hidden_skipped, "empty_classes": scan.empty_classes,
-        "conversion_seconds": round(time.time() - started, 3), "resumed": conversion.resumed,
+        "skipped": [{"path": rel, "error": why} for rel, why in source.errors] + skipped,
+        "hidden_skipped": source.hidden_skipped, "empty_classes": source.empty_classes,
+        "conversion_seconds": round(seconds, 3), "resumed": resumed,
     }
-    write_manifest(dest, manifest)
-    (dest / MARKER).unlink()
-    return manifest
+
+
+def _write_failed(dest: Path, exc: OSError) -> PackerError:
+    return PackerError(f"{dest}: write failed ({exc.strerror or exc}); free space or fix permissions, then run the "
+                       "same command with --resume")
 
 
 def _ignore_sigint() -> None:
@@ -229,10 +359,12 @@ class _Conversion:
     The journal (``.packer-in-progress``) records, each time the writer makes its output durable, how many
     samples it holds, the source position to continue from, and the images skipped so far."""
 
-    def __init__(self, src: Path, dest: Path, samples: list[tuple[str, int]], spec: TransformSpec, writer,
-                 journal: dict, strict: bool, progress: bool):
-        self.src, self.dest, self.samples, self.spec = src, dest, samples, spec
+    def __init__(self, source: Source, dest: Path, indices: list[int], spec: TransformSpec, writer,
+                 journal: dict, strict: bool, progress: bool, desc: str | None = None, on_progress=None):
+        self.source, self.dest, self.indices, self.spec = source, dest, indices, spec
         self.writer, self.journal, self.strict, self.progress = writer, journal, strict, progress
+        self.desc = desc or f"packing {writer.format}"
+        self.on_progress = on_progress  # called with the samples written after each chunk (distributed liveness)
         self.skipped: list[dict] = []
         self.start = 0
         self.resumed = False
@@ -263,36 +395,42 @@ class _Conversion:
 
     def consume(self, results: list[tuple]) -> None:
         for position, relpath, label, item in results:
-            if isinstance(item, ImageError):
+            if isinstance(item, tuple):
+                kind, reason = item
+                if kind == "fail":
+                    raise PackerError(f"{self.source.where(relpath)}: unexpected error while converting ({reason}); "
+                                      "please report it")
                 if self.strict:
-                    raise ImageError(str(self.src / relpath), item.reason)
-                warn(f"skipped {self.src / relpath}: {item.reason}")
-                self.skipped.append({"path": relpath, "error": item.reason, "position": position})
+                    raise ImageError(self.source.where(relpath), reason)
+                warn(f"skipped {self.source.where(relpath)}: {reason}")
+                self.skipped.append({"path": relpath, "error": reason, "position": position})
                 continue
             durable = self.writer.write(label, relpath, item)
             self.pending.append((self.writer.count, position))
             if durable is not None:
                 self._checkpoint(durable)
         self.bar.update(len(results))
+        if self.on_progress is not None:
+            self.on_progress(self.writer.count)
 
     def run(self, workers: int | None) -> None:
         workers = usable_cores() if workers is None else max(1, workers)
-        root = str(self.src)
-        chunks = [[(p, rel, label) for p, (rel, label) in enumerate(self.samples[i:i + CHUNK], start=i)]
-                  for i in range(self.start, len(self.samples), CHUNK)]
-        self.bar = tqdm(total=len(self.samples), initial=self.start, unit="img", disable=not self.progress,
-                        file=sys.stderr, dynamic_ncols=True, desc=f"packing {self.writer.format}")
+        reader = self.source.reader()
+        chunks = [list(enumerate(self.indices[i:i + CHUNK], start=i))
+                  for i in range(self.start, len(self.indices), CHUNK)]
+        self.bar = tqdm(total=len(self.indices), initial=self.start, unit="img", disable=not self.progress,
+                        file=sys.stderr, dynamic_ncols=True, desc=self.desc)
         try:
             if workers == 1:
                 for chunk in chunks:
-                    self.consume(_convert_chunk((root, chunk, self.spec)))
+                    self.consume(_convert_items(reader, chunk, self.spec))
                 return
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_ignore_sigint) as pool:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(reader,)) as pool:
                 pending: deque = deque()
                 window = 4 * workers  # chunks in flight: bounds memory whatever the dataset size
                 for chunk in chunks:
-                    pending.append(pool.apply_async(_convert_chunk, ((root, chunk, self.spec),)))
+                    pending.append(pool.apply_async(_convert_chunk, ((chunk, self.spec),)))
                     if len(pending) >= window:
                         self.consume(pending.popleft().get())
                 while pending:

@@ -112,23 +112,28 @@ class _BackgroundIterator:
     def __init__(self, iterator, depth: int):
         self.queue: queue.Queue = queue.Queue(depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._fill, args=(iterator,), daemon=True, name="packer-prefetch")
+        # the thread holds the queue and the event, not self: a consumer that stops early (``next(iter(loader))``,
+        # ``break``) drops this object, __del__ sets ``stop`` and the thread ends instead of living on
+        self.thread = threading.Thread(target=self._fill, args=(iterator, self.queue, self.stop), daemon=True,
+                                       name="packer-prefetch")
         self.thread.start()
 
-    def _fill(self, iterator) -> None:
+    @classmethod
+    def _fill(cls, iterator, q: queue.Queue, stop: threading.Event) -> None:
         try:
             for batch in iterator:
-                if not self._put(batch):
+                if not cls._put(q, stop, batch):
                     return
         except BaseException as exc:  # handed to the consumer, raised there
-            self._put(exc)
+            cls._put(q, stop, exc)
             return
-        self._put(self._END)
+        cls._put(q, stop, cls._END)
 
-    def _put(self, item) -> bool:
-        while not self.stop.is_set():
+    @staticmethod
+    def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+        while not stop.is_set():
             try:
-                self.queue.put(item, timeout=0.1)
+                q.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue

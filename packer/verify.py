@@ -8,12 +8,15 @@ label.
 
 from __future__ import annotations
 
+import json
 import os
+import tarfile
 import zlib
 from pathlib import Path
 
 from .errors import PackerError
 from .formats import open_dataset
+from .formats.parts import PartedDataset
 from .manifest import read_manifest, sha256_file
 
 
@@ -42,12 +45,23 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
     except PackerError as exc:
         return [*problems, str(exc)]
     problems += _check_counts(ds, manifest)
+    if any(f.rsplit("/", 1)[-1] == "wds_index.npy" for f in damaged_files):  # labels, locations: all from it
+        deep = True
     if damaged_files or deep:
         problems += _check_samples(ds, manifest, deep, damaged_files)
+    if ds.format == "wds":
+        problems += _check_wds_members(ds, manifest, deep, damaged_files)
     return problems
 
 
+def _within(part: str, damaged_files: set[str]) -> set[str]:
+    """The damaged files of one part, relative to it."""
+    return {f[len(part) + 1:] for f in damaged_files if f.startswith(part + "/")}
+
+
 def _check_counts(ds, manifest: dict) -> list[str]:
+    if isinstance(ds, PartedDataset):  # several ranks' parts: each part against its own count
+        return [p for sub in ds.readers for p in _check_counts(sub, sub.manifest)]
     problems = []
     count = manifest["count"]
     if ds.format == "lmdb":
@@ -65,6 +79,9 @@ def _check_counts(ds, manifest: dict) -> list[str]:
 
 
 def _sample_file(ds, index: int) -> str:
+    if isinstance(ds, PartedDataset):
+        p, local = ds.locate(index)
+        return f"{ds.part_paths[p]}/{_sample_file(ds.readers[p], local)}"
     if ds.format == "wds":
         return ds.manifest["shards"][int(ds.index[index]["shard"])]["path"]
     return {"lmdb": "data.mdb", "hdf5": "data.h5"}.get(ds.format, "")
@@ -85,10 +102,43 @@ def _check_samples(ds, manifest: dict, deep: bool, damaged_files: set[str]) -> l
                 continue
             if not 0 <= sample.label < n_classes:
                 problems.append(f"{where}: label {sample.label} is not a class index (0..{n_classes - 1})")
+            else:
+                ds._check_label(i, sample.label)
             if deep:
                 arr = ds._array(i, sample)
                 if tuple(arr.shape) != tuple(sample.shape) or (shape and list(arr.shape) != list(shape)):
                     problems.append(f"{where}: decodes to {arr.shape}, recorded as {sample.shape}")
         except PackerError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def _check_wds_members(ds, manifest: dict, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
+    """The labels webdataset readers see (the ``.cls`` and ``.json`` members) must agree with the index."""
+    if isinstance(ds, PartedDataset):  # a part's keys start at its first position in the order
+        return [p for sub, part, offset in zip(ds.readers, ds.part_paths, ds.key_offsets, strict=True)
+                for p in _check_wds_members(sub, sub.manifest, deep, _within(part, damaged_files), offset)]
+    problems = []
+    for shard_no, shard in enumerate(manifest.get("shards", [])):
+        path = ds.root / shard["path"]
+        if not (deep or shard["path"] in damaged_files) or not path.exists():
+            continue
+        try:
+            with tarfile.open(path, "r:") as tar:
+                for member in tar:
+                    key, _, ext = member.name.partition(".")
+                    if ext not in ("cls", "json") or not key.isdigit() or not 0 <= int(key) - key_offset < len(ds):
+                        continue
+                    key = str(int(key) - key_offset)
+                    data = tar.extractfile(member).read()
+                    try:
+                        label = int(data) if ext == "cls" else int(json.loads(data)["label"])
+                    except (ValueError, KeyError, TypeError):
+                        label = None
+                    row = ds.index[int(key)]
+                    if label != int(row["label"]) or int(row["shard"]) != shard_no:
+                        problems.append(f"{path} sample {int(key)}: the .{ext} member says label {label}, the "
+                                        f"index says {int(row['label'])}; the label is damaged")
+        except (OSError, tarfile.TarError) as exc:
+            problems.append(f"{path}: damaged tar shard ({exc})")
     return problems

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..manifest import read_manifest
+from ..errors import ManifestError
+from ..manifest import MANIFEST, read_manifest
 from .base import PackedDataset, Writer, format_names, get_format, register
 
 __all__ = ["PackedDataset", "Writer", "format_names", "get_format", "open_dataset", "register"]
@@ -12,7 +13,15 @@ __all__ = ["PackedDataset", "Writer", "format_names", "get_format", "open_datase
 
 def open_dataset(root: str | os.PathLike, **kwargs) -> PackedDataset:
     """Read ``root/manifest.json`` and return the matching Dataset (``LmdbDataset``, ``Hdf5Dataset`` or
-    ``WdsDataset``); keyword arguments go to its constructor (``transform``, ``resize``, ``center_crop``...)."""
+    ``WdsDataset``, or a ``PartedDataset`` over them for a conversion made by several ranks); keyword arguments
+    go to its constructor (``transform``, ``resize``, ``center_crop``...)."""
     manifest = read_manifest(root)
-    _, reader = get_format(manifest["format"])
+    try:
+        _, reader = get_format(manifest["format"])
+    except ValueError as exc:
+        raise ManifestError(f"{os.path.join(root, MANIFEST)}: {exc}") from None
+    if manifest.get("parts") is not None:  # converted by several ranks: one reader per part
+        from .parts import PartedDataset
+
+        return PartedDataset(root, manifest=manifest, **kwargs)
     return reader(root, manifest=manifest, **kwargs)

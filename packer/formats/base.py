@@ -116,6 +116,7 @@ class PackedDataset(Dataset):
     """
 
     format: ClassVar[str] = ""
+    _accepts_parts: ClassVar[bool] = False  # only PartedDataset reads a manifest of several parts
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, resize: int | str | None = None,
@@ -123,6 +124,9 @@ class PackedDataset(Dataset):
                  decoder: str = "auto", threads: int = 1, manifest: dict | None = None):
         self.root = Path(root)
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
+        if self.manifest.get("parts") is not None and not self._accepts_parts:
+            raise ValueError(f"{self.root}: converted in {len(self.manifest['parts'])} parts (by several ranks); "
+                             "open it with packer.open_dataset")
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx: dict[str, int] = dict(self.manifest["class_to_idx"])
         self.spec = TransformSpec.from_dict(self.manifest["transform"])
@@ -211,10 +215,22 @@ class PackedDataset(Dataset):
         return index % n
 
     def _checked(self, index: int, sample: Sample) -> Sample:
-        if self.verify and sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
-            raise CorruptDataError(f"{self._describe(index)}: checksum mismatch, the stored bytes are damaged; "
-                                   "run `packer verify` and re-pack")
+        if self.verify and sample.crc32 is not None:
+            if zlib.crc32(sample.payload) != sample.crc32:
+                raise CorruptDataError(f"{self._describe(index)}: checksum mismatch, the stored bytes are damaged; "
+                                       "run `packer verify` and re-pack")
+            self._check_label(index, sample.label)
         return sample
+
+    def _check_label(self, index: int, label: int) -> None:
+        """The crc32 covers the payload only, so a damaged label is caught by comparing it with the class folder
+        that starts the sample's relative path, which packer stores separately (ImageFolder: that folder is the
+        class)."""
+        folder = self.relpath(index).split("/", 1)[0]
+        expected = self.class_to_idx.get(folder)
+        if expected is not None and expected != label:
+            raise CorruptDataError(f"{self._describe(index)}: label {label} does not match its class folder "
+                                   f"{folder!r} ({expected}); the stored label is damaged, run `packer verify`")
 
     @property
     def _is_raw(self) -> bool:

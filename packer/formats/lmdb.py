@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -143,9 +144,12 @@ def close_environments() -> None:
     """Close (unmap) every LMDB environment this process's datasets share; they reopen lazily on next use.
     Call it only when no loader is reading: closing a map under a reading thread crashes the process.
 
-    It also runs in every forked child: LMDB environments must not cross a fork, and py-lmdb refuses to open a
-    path already open in the process, so the child drops what it inherited (unmapping it in the child only).
-    The parent keeps its own: closing them before the fork would pull the map from under its reading threads."""
+    Never at a fork, on either side. In the parent, closing before the fork pulls the map from under its
+    reading threads (make_loader's decode and prefetch threads) and crashes it. In the child, py-lmdb's close
+    waits for the operations in flight when the process forked, which belonged to threads the child does not
+    have: it hangs forever. A forked child instead keeps the environments it inherited (read-only, opened with
+    ``lock=False``: no lock table or reader slot is tied to the parent) and begins its own transactions on them;
+    py-lmdb refuses to open the same files a second time in one process anyway."""
     global _generation
     for env in _ENVS.values():
         env.close()
@@ -153,20 +157,33 @@ def close_environments() -> None:
     _generation += 1
 
 
-os.register_at_fork(after_in_child=close_environments)
+_ENVS_LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()  # a parent thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _shared_env(root: Path, readahead: bool) -> lmdb.Environment:
     """py-lmdb refuses to open one path twice in a process, so datasets on the same path share this process's
-    environment (read-only, so sharing is safe)."""
+    environment (read-only, so sharing is safe). Opened under a lock: two threads opening the same dataset at
+    once (make_loader's prefetch thread and the main thread) would otherwise both open it, and one would fail."""
     cache_key = os.path.realpath(root)
-    if cache_key not in _ENVS:
-        try:
-            _ENVS[cache_key] = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead, meminit=False,
-                                         max_spare_txns=1, subdir=True)
-        except lmdb.Error as exc:
-            raise CorruptDataError(f"{root / 'data.mdb'}: cannot open LMDB ({exc}); run `packer verify`") from None
-    return _ENVS[cache_key]
+    env = _ENVS.get(cache_key)
+    if env is not None:
+        return env
+    with _ENVS_LOCK:
+        if cache_key not in _ENVS:
+            try:
+                _ENVS[cache_key] = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead,
+                                             meminit=False, max_spare_txns=1, subdir=True)
+            except lmdb.Error as exc:
+                raise CorruptDataError(f"{root / 'data.mdb'}: cannot open LMDB ({exc}); run `packer verify`") from None
+        return _ENVS[cache_key]
 
 
 class LmdbDataset(PackedDataset):
@@ -192,13 +209,24 @@ class LmdbDataset(PackedDataset):
         return ("env", "txn")
 
     def _open(self) -> None:
+        # LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so a
+        # file shorter than the manifest says is refused before it is mapped
+        path = self.root / "data.mdb"
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
+        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        if size < expected:
+            raise CorruptDataError(f"{path}: {size} bytes, the manifest says {expected}: the file is truncated; "
+                                   "run `packer verify` and re-pack")
         self.env = _shared_env(self.root, self.readahead)
         self.txn = self.env.begin(buffers=True)
         self._generation = _generation
 
     def _ensure_open(self) -> None:
         if self._pid is not None and self._generation != _generation:
-            self._pid = None  # a fork closed this process's environments
+            self._pid = None  # close_environments() closed this process's environments
         super()._ensure_open()
 
     def _get(self, index: int) -> tuple[Sample, str]:

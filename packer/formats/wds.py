@@ -3,7 +3,9 @@
 Each sample is three adjacent members named by a dot-free key, the 9-digit sample index:
 ``000000042.jpg`` (the image, under its format's lower-case extension; ``.npy`` for raw arrays),
 ``000000042.cls`` (the label as ASCII digits) and ``000000042.json`` (``relpath``, ``label``, ``class``,
-``shape``). Members have mtime 0, owner 0 and mode 0644, so two conversions give identical bytes.
+``shape``). Members have mtime 0, owner 0 and mode 0644, so two conversions give identical bytes. In a
+distributed conversion each rank's part (``part-00000/shard-000000.tar``...) numbers its keys from its first
+position in the output order, so keys stay unique across parts.
 
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are

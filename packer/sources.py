@@ -1,0 +1,333 @@
+"""What ``packer pack`` converts: an image folder, a dataset packer already packed, or WebDataset shards.
+
+:func:`open_source` tells them apart. Each :class:`Source` gives the classes, the samples in their natural order
+(``len``, labels and relative paths), each sample's size in bytes (to estimate the output and to balance ranks),
+a fingerprint (a resumed conversion must see the same source), and a picklable :class:`SampleReader` that a worker
+process uses to read sample ``i`` and convert it.
+
+- :class:`FolderSource`: ``SRC/<class>/**/<image>``, scanned with ImageFolder's rules (:func:`packer.scan_folder`).
+- :class:`PackedSource`: a folder with a ``manifest.json`` (any format, also one converted by several ranks), read
+  through :func:`packer.open_dataset` with ``decode=False``: the stored bytes, or the stored array for ``raw``.
+- :class:`ShardsSource`: ``.tar`` shards written by any WebDataset tool (``webdataset.ShardWriter``, img2dataset),
+  a folder of them, a single one, or a glob; read through :meth:`WdsDataset.from_shards` with a ``label_key``.
+
+A repacked sample keeps the relative path it has in its source, so repacking keeps relpaths, and with
+``store=original`` the exact stored bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ImageError, PackerError, SourceError
+from .manifest import MANIFEST
+from .scan import scan_folder
+from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert_bytes, convert_file
+
+IN_PROGRESS = ".packer-in-progress"  # convert.MARKER; not imported, convert imports this module
+
+
+class SampleReader:
+    """Reads and converts one sample of a source, in a worker process. Picklable; opens its handles lazily."""
+
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
+        """``(relpath, label, encoded)`` of source sample ``index``; raises :class:`ImageError` naming the relpath
+        (or ``sample N`` when even that could not be read)."""
+        raise NotImplementedError
+
+    def name(self, index: int) -> str:
+        """How messages name source sample ``index`` when converting it failed unexpectedly."""
+        return f"sample {index}"
+
+
+class Source:
+    """Base of the three kinds of source. Attributes every kind sets:
+
+    ``kind`` ("folder", "packed", "shards"), ``root`` (a folder, for messages and to keep DEST out of it),
+    ``classes``, ``class_to_idx``, ``count``, ``stored`` (what samples hold: "original" for image files, or the
+    packed dataset's store), ``mode`` (RGB or L), ``shape`` (fixed (H, W, C) or None), ``shuffled`` (the order is
+    already a shuffle), and the scan's ``hidden_skipped``, ``empty_classes`` and ``errors`` [(relpath, why)]."""
+
+    kind = ""
+    stored = "original"
+    mode = "RGB"
+    shape: list[int] | None = None
+    shuffled = False
+
+    def __init__(self, root: Path, classes: list[str], count: int):
+        self.root = root
+        self.classes = list(classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.count = count
+        self.hidden_skipped = 0
+        self.empty_classes: list[str] = []
+        self.errors: list[tuple[str, str]] = []
+
+    def sizes(self) -> np.ndarray:
+        """Bytes of each sample (an estimate where the source does not record it), int64, one per sample."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def reader(self) -> SampleReader:
+        raise NotImplementedError
+
+    def where(self, relpath: str) -> str:
+        """How messages name a sample."""
+        return f"{relpath} in {self.root}"
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's ``source`` entry (the converter adds ``images`` and ``bytes``)."""
+        return {"kind": self.kind, "root": str(self.root.resolve())}
+
+    @property
+    def key(self) -> str:
+        """What the journal records as the source (a resumed conversion must name the same one)."""
+        return str(self.root.resolve())
+
+    @property
+    def default_store(self) -> str | None:
+        """The store to use when none is given (None: the converter's usual choice)."""
+        return None
+
+    def check(self, spec: TransformSpec) -> None:
+        """Refuse a conversion this source cannot give (``store=original`` of decoded pixels)."""
+
+
+# -- image folders -----------------------------------------------------------------------------------------------
+class FolderReader(SampleReader):
+    def __init__(self, root: str, samples: list[tuple[str, int]]):
+        self.root = root
+        self.samples = samples
+
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
+        relpath, label = self.samples[index]
+        return relpath, label, convert_file(os.path.join(self.root, relpath), relpath, spec)
+
+    def name(self, index: int) -> str:
+        return self.samples[index][0]
+
+
+class FolderSource(Source):
+    """An ImageFolder, scanned with :func:`packer.scan_folder`."""
+
+    kind = "folder"
+
+    def __init__(self, root: str | os.PathLike, include_hidden: bool = False):
+        scan = scan_folder(root, include_hidden=include_hidden)
+        super().__init__(Path(root), scan.classes, len(scan.samples))
+        self.scan = scan
+        self.samples = scan.samples
+        self.hidden_skipped = scan.hidden_skipped
+        self.empty_classes = scan.empty_classes
+        self.errors = scan.errors
+        self._stats: tuple[np.ndarray, str] | None = None
+
+    def _stat(self) -> tuple[np.ndarray, str]:
+        """One pass over the files: their sizes, and a digest of what the scan found (paths, labels, sizes,
+        mtimes)."""
+        if self._stats is None:
+            sizes = np.zeros(len(self.samples), np.int64)
+            h = hashlib.sha256(json.dumps([self.classes, self.errors]).encode())
+            for i, (rel, label) in enumerate(self.samples):
+                try:
+                    st = os.stat(self.root / rel)
+                    sizes[i] = st.st_size
+                    h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                except OSError:
+                    h.update(f"{rel}\0{label}\0missing\n".encode())
+            self._stats = sizes, h.hexdigest()
+        return self._stats
+
+    def sizes(self) -> np.ndarray:
+        return self._stat()[0]
+
+    def fingerprint(self) -> str:
+        return self._stat()[1]
+
+    def reader(self) -> SampleReader:
+        return FolderReader(str(self.root), self.samples)
+
+    def where(self, relpath: str) -> str:
+        return str(self.root / relpath)
+
+
+# -- packed datasets and shards ------------------------------------------------------------------------------------
+class DatasetReader(SampleReader):
+    """Reads the stored bytes (or array) of a packed dataset or of foreign shards and converts them."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
+        ds = self.dataset
+        relpath = f"sample {index}"
+        try:
+            ds._ensure_open()
+            relpath = ds.relpath(index)
+            sample = ds._checked(index, ds._read(index))
+            foreign_array = getattr(ds, "_foreign", None) is not None and tuple(sample.shape) != (0, 0, 0)
+            if ds._is_raw or foreign_array:
+                dtype = ds.spec.dtype if ds._is_raw else "uint8"
+                try:
+                    array = np.frombuffer(sample.payload, dtype=dtype).reshape(sample.shape)
+                except ValueError:
+                    raise ImageError(relpath, f"stored array has {len(sample.payload)} bytes, not the {sample.shape} "
+                                              "it should; the source is damaged") from None
+                encoded = convert_array(array, relpath, spec)
+            else:
+                encoded = convert_bytes(bytes(sample.payload), relpath, spec)
+        except ImageError as exc:
+            raise ImageError(relpath, exc.reason) from None
+        except PackerError as exc:  # a damaged record or shard: skipped (or fatal with --strict) like a bad image
+            raise ImageError(relpath, str(exc)) from None
+        if max(encoded.shape[:2]) > MAX_SIDE:
+            raise ImageError(relpath, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels; "
+                                      "shrink it (--max-size)")
+        return relpath, sample.label, encoded
+
+
+class PackedSource(Source):
+    """A dataset packed by packer (any format): samples are read back as stored, checksums checked."""
+
+    kind = "packed"
+
+    def __init__(self, root: str | os.PathLike):
+        from .formats import open_dataset
+
+        root = Path(root)
+        ds = open_dataset(root, decode=False, verify=True)
+        manifest = ds.manifest
+        super().__init__(root, ds.classes, len(ds))
+        if ds.spec.normalize:
+            raise SourceError(f"{root}: stores normalized {ds.spec.dtype} arrays, which cannot be turned back into "
+                              "pixels; re-pack from the original image folder")
+        self.dataset = ds
+        self.manifest = manifest
+        self.stored = ds.spec.store
+        self.mode = ds.spec.mode
+        self.shape = manifest.get("shape")
+        self.shuffled = bool((manifest.get("order") or {}).get("shuffle"))
+        self.empty_classes = list(manifest.get("empty_classes") or [])
+        if self.count == 0:
+            raise SourceError(f"{root}: the dataset holds no samples; nothing to pack")
+
+    def sizes(self) -> np.ndarray:
+        total = sum(int(f.get("bytes", 0)) for f in self.manifest["files"])
+        return np.full(self.count, max(1, total // max(1, self.count)), np.int64)
+
+    def fingerprint(self) -> str:
+        m = self.manifest
+        return hashlib.sha256(json.dumps([m["format"], m["count"], m["classes"], m["files"]],
+                                         sort_keys=True).encode()).hexdigest()
+
+    def reader(self) -> SampleReader:
+        return DatasetReader(self.dataset)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "format": self.manifest["format"], "store": self.stored,
+                "transform": self.manifest["transform"]}
+
+    @property
+    def default_store(self) -> str | None:
+        return "raw" if self.stored == "raw" else None
+
+    def check(self, spec: TransformSpec) -> None:
+        if self.stored == "raw" and spec.store == "original":
+            raise SourceError(f"{self.root}: stores decoded pixels (store raw), so there are no original file bytes "
+                              "to keep; choose --store raw (the default for this source), png or jpeg")
+
+
+class ShardsSource(Source):
+    """``.tar`` shards from any WebDataset writer: one sample per key with an image member and an integer label
+    read from ``label_key`` (``cls``, ``txt``, ``json:FIELD``...)."""
+
+    kind = "shards"
+
+    def __init__(self, paths: list[Path], label_key: str = "cls", pattern: str | None = None):
+        from .formats.wds import WdsDataset
+
+        ds = WdsDataset.from_shards(paths, label_key=label_key, decode=False)
+        super().__init__(ds.root, ds.classes, len(ds))
+        self.dataset = ds
+        self.paths = [Path(p) for p in paths]
+        self.label_key = label_key
+        self.pattern = pattern
+        index = ds._foreign[0]
+        present = np.bincount(index["label"].astype(np.int64), minlength=len(self.classes)) if len(index) else []
+        self.empty_classes = [c for c, n in zip(self.classes, present, strict=False) if n == 0]
+
+    def sizes(self) -> np.ndarray:
+        return self.dataset._foreign[0]["size"].astype(np.int64)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.label_key.encode())
+        for path in self.paths:
+            st = os.stat(path)
+            h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+
+    def reader(self) -> SampleReader:
+        return DatasetReader(self.dataset)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "shards": [str(p.resolve()) for p in self.paths], "label_key": self.label_key}
+
+    @property
+    def key(self) -> str:
+        return self.pattern or super().key
+
+
+# -- telling them apart --------------------------------------------------------------------------------------------
+def _shards_in(folder: Path) -> list[Path] | None:
+    """The .tar files of a folder of shards: .tar files and no (visible) sub-folders. None if it is not one."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return None
+    if any(e.is_dir() and not e.name.startswith(".") for e in entries):
+        return None
+    tars = sorted(folder / e.name for e in entries if e.name.endswith(".tar") and e.is_file())
+    return tars or None
+
+
+def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key: str | None = None) -> Source:
+    """The :class:`Source` that ``src`` names:
+
+    - a folder with ``manifest.json``: a packed dataset;
+    - a ``.tar`` file, a glob such as ``'shards/*.tar'``, or a folder that holds ``.tar`` files and no
+      sub-folders: WebDataset shards (labels from ``label_key``, default ``cls``);
+    - any other folder: an image folder (``include_hidden`` keeps names starting with '.')."""
+    text = os.fspath(src)
+    path = Path(text)
+    shards: list[Path] | None = None
+    pattern = None
+    if not path.exists() and glob.has_magic(text):
+        shards = sorted(Path(p) for p in glob.glob(text) if os.path.isfile(p))
+        pattern = os.path.abspath(text)
+        if not shards:
+            raise SourceError(f"{text}: no files match this pattern")
+    elif path.is_file() and path.suffix.lower() == ".tar":
+        shards = [path]
+    elif path.is_dir():
+        if (path / MANIFEST).exists():
+            if label_key is not None:
+                raise ValueError("--label-key is for WebDataset shards; a packed dataset keeps its labels")
+            return PackedSource(path)
+        if (path / IN_PROGRESS).exists():
+            raise SourceError(f"{path}: an unfinished packer conversion (no {MANIFEST}); finish it with `packer pack "
+                              "... --resume` before packing from it")
+        shards = _shards_in(path)
+    if shards is not None:
+        return ShardsSource(shards, label_key=label_key or "cls", pattern=pattern)
+    if label_key is not None:
+        raise ValueError("--label-key is for WebDataset shards; an image folder's labels are its class folders")
+    return FolderSource(path, include_hidden=include_hidden)
