@@ -1,0 +1,121 @@
+"""Support for the reader and loader tests: datasets packed once per session, and an independent Pillow
+reference of what every sample must decode to (torchvision ImageFolder + Resize + CenterCrop semantics, written
+out here rather than taken from packer)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+FORMATS = ("lmdb", "hdf5", "wds")
+
+# Storage modes packed from sample_data. Resizes keep the packs small and exercise the offline geometry:
+# an int resize gives a variable shape, a centre crop a fixed one; "40x32" is (width, height).
+STORES: dict[str, dict] = {
+    "original": {},
+    "jpeg": {"store": "jpeg", "quality": 90},
+    "png": {"store": "png", "resize": 96},
+    "raw": {"store": "raw", "resize": 64, "center_crop": 56},
+    "raw_var": {"store": "raw", "resize": 50},
+    "raw_normalize": {"store": "raw", "normalize": True, "resize": 48, "center_crop": "40x32"},
+    # quality 95 and 112 px: 4:2:0 JPEG of a small downscaled photo stays above 30 dB for every sample
+    "jpeg_fixed": {"store": "jpeg", "quality": 95, "resize": 128, "center_crop": 112},
+}
+# What each store's pixels must be: (resize, crop as (w, h)) applied to the source image.
+GEOMETRY: dict[str, tuple] = {
+    "original": (None, None),
+    "jpeg": (None, None),
+    "png": (96, None),
+    "raw": (64, (56, 56)),
+    "raw_var": (50, None),
+    "raw_normalize": (48, (40, 32)),
+    "jpeg_fixed": (128, (112, 112)),
+}
+MEAN = (0.485, 0.456, 0.406)  # ImageNet, as torchvision documents them
+STD = (0.229, 0.224, 0.225)
+
+_packed: dict[tuple, Path] = {}
+_reference: dict[tuple, np.ndarray] = {}
+
+
+def packed(tmp_path_factory, src: Path, fmt: str, store: str, **extra) -> Path:
+    """``src`` packed as ``fmt`` with the options of ``STORES[store]``; packed once per session."""
+    import packer
+
+    key = (str(src), fmt, store, tuple(sorted(extra.items())))
+    if key not in _packed:
+        dest = tmp_path_factory.mktemp(f"{fmt}-{store}") / "ds"
+        packer.pack(src, dest, fmt, progress=False, workers=2, **STORES[store], **extra)
+        _packed[key] = dest
+    return _packed[key]
+
+
+def tv_resize(img: Image.Image, size) -> Image.Image:
+    """torchvision ``Resize(size)`` on a PIL image: an int scales the shorter side (the longer one is truncated,
+    ``int(size * long / short)``), a (w, h) pair is exact; bilinear, as PIL does it (antialiased)."""
+    w, h = img.size
+    if isinstance(size, tuple):
+        ow, oh = size
+    elif w <= h:
+        ow, oh = size, int(size * h / w)
+    else:
+        ow, oh = int(size * w / h), size
+    if (ow, oh) == (w, h):
+        return img
+    return img.resize((ow, oh), Image.Resampling.BILINEAR)
+
+
+def tv_center_crop(img: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """torchvision ``CenterCrop`` of a (w, h) no larger than the image."""
+    cw, ch = size
+    w, h = img.size
+    assert cw <= w and ch <= h, "the tests only crop inside the image"
+    top = int(round((h - ch) / 2.0))
+    left = int(round((w - cw) / 2.0))
+    return img.crop((left, top, left + cw, top + ch))
+
+
+def reference(path: str | os.PathLike, resize=None, crop=None) -> np.ndarray:
+    """HWC uint8 pixels of ``path`` as ImageFolder's loader (``convert("RGB")``) then Resize/CenterCrop give."""
+    key = (str(path), resize, crop)
+    if key not in _reference:
+        with Image.open(path) as img:
+            out = img.convert("RGB")
+        if resize is not None:
+            out = tv_resize(out, resize)
+        if crop is not None:
+            out = tv_center_crop(out, crop)
+        arr = np.asarray(out)
+        arr.flags.writeable = False
+        _reference[key] = arr
+    return _reference[key]
+
+
+def reference_for(src: Path, relpath: str, store: str) -> np.ndarray:
+    resize, crop = GEOMETRY[store]
+    return reference(src / relpath, resize, crop)
+
+
+def normalized(arr: np.ndarray) -> np.ndarray:
+    """``(x / 255 - mean) / std`` per channel in float64."""
+    return (arr.astype(np.float64) / 255.0 - np.array(MEAN)) / np.array(STD)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def hwc(image) -> np.ndarray:
+    """A CHW tensor as an HWC numpy array."""
+    return image.permute(1, 2, 0).contiguous().numpy()
+
+
+def digest(image) -> str:
+    """A content hash of an image tensor, to recognise a sample in a shuffled batch."""
+    t = image.contiguous()
+    return hashlib.sha1(t.numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()
