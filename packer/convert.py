@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -426,15 +427,23 @@ class _Conversion:
                     self.consume(_convert_items(reader, chunk, self.spec))
                 return
             ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(reader,)) as pool:
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(reader,))
+            try:
                 pending: deque = deque()
                 window = 4 * workers  # chunks in flight: bounds memory whatever the dataset size
                 for chunk in chunks:
-                    pending.append(pool.apply_async(_convert_chunk, ((chunk, self.spec),)))
+                    pending.append(pool.submit(_convert_chunk, (chunk, self.spec)))
                     if len(pending) >= window:
-                        self.consume(pending.popleft().get())
+                        self.consume(pending.popleft().result())
                 while pending:
-                    self.consume(pending.popleft().get())
+                    self.consume(pending.popleft().result())
+            except BaseException:
+                # Cancel what has not started and let each worker finish its chunk (a fraction of a second).
+                # Killing workers instead can leave one dead in the middle of writing its result, and then
+                # multiprocessing.Pool's terminate(), or the executor's exit hook, waits on that pipe forever.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            pool.shutdown()
         except OSError as exc:
             raise PackerError(f"{self.dest}: write failed ({exc.strerror}); free space or fix permissions, then "
                               "run the same command with --resume") from None
