@@ -63,20 +63,20 @@ def run(args: argparse.Namespace, command: str) -> dict:
 
     data = ensure_data(Path(args.data) if args.data else Path(args.out) / "data", args.images, args.classes,
                        args.seed)
-    return run_bench(data, formats=args.formats.split(","), stores=[v[0] for v in VARIANTS], workers=[args.workers],
+    worker_counts = [int(w) for w in str(args.workers).split(",")]
+    return run_bench(data, formats=args.formats.split(","), stores=[v[0] for v in VARIANTS], workers=worker_counts,
                      batch_size=args.batch_size, epochs=args.epochs, caches=args.cache.split(","),
                      repeats=args.repeats, read_resize=256, read_crop=224, out=args.out, keep=args.keep,
                      disk_test_mb=args.disk_test_mb, progress=not args.quiet, command=command)
 
 
 # -- the README section ---------------------------------------------------------------------------------------------
-def _pick(rows: list[dict], cache: str) -> dict[tuple[str, str], dict]:
-    """One row per (dataset, store): the most workers, epoch 2 warm (steady state) or epoch 1 cold (the only
+def _pick(rows: list[dict], cache: str, workers: int) -> dict[tuple[str, str], dict]:
+    """One row per (dataset, store) for ``workers``: epoch 2 warm (steady state) or epoch 1 cold (the only
     epoch that reads from the disk)."""
-    chosen = [r for r in rows if r["cache"] == cache]
+    chosen = [r for r in rows if r["cache"] == cache and r["workers"] == workers]
     if not chosen:
         return {}
-    workers = max(r["workers"] for r in chosen)
     epoch = 1 if cache == "cold" else max(r["epoch"] for r in chosen)
     return {(r["dataset"], r["store"]): r for r in chosen if r["workers"] == workers and r["epoch"] == epoch}
 
@@ -97,8 +97,8 @@ def _store_label(variant: str) -> str:
     return parse_variant(variant).label
 
 
-def results_table(results: dict, cache: str) -> list[str]:
-    rows = _pick(results["rows"], cache)
+def results_table(results: dict, cache: str, workers: int) -> list[str]:
+    rows = _pick(results["rows"], cache, workers)
     formats = results["settings"]["formats"]
     lines = ["| stored as | packed with | read-time work | " + " | ".join(formats) + " | ceiling/s |",
              "|---|---|---|" + "---:|" * (len(formats) + 1)]
@@ -130,24 +130,30 @@ def readme_section(results: dict) -> str:
 
     s = results["settings"]
     src = results["source"]
-    workers = max(s["workers"])
     lines = [f"Measured by `{results['command']}` on {results['created']}.", "",
              f"Machine: {describe_machine(results['machine'])}.", "",
              f"Data: {src['images']:,} ImageNet-like photos (JPEG, short side 300-480 px; "
              f"{src['bytes'] / 1e6:,.0f} MB) made by `scripts/make_sample_data.py`. Every row gives the same "
-             f"batches: {s['batch_size']} x 3 x 224 x 224 uint8, through `make_loader(ds, {s['batch_size']}, "
-             f"num_workers={workers})`. Cells: samples/s (speedup over the folder with the same settings, fraction "
+             f"batches: {s['batch_size']} x 3 x 224 x 224 uint8, through `make_loader(ds, {s['batch_size']})`: "
+             "`workers 0` is its default for packer datasets (decode threads, one per core, in the main process), "
+             "`workers N` is N DataLoader worker processes; the folder baseline (Pillow decode, Resize(256), "
+             "CenterCrop(224), as torchvision's ImageFolder pipeline) runs with the same setting. Cells: samples/s "
+             "(speedup over the folder with the same settings, fraction "
              "of the row's ceiling: the decode ceiling is the same stored bytes decoded by a process pool on every "
              "core with no loader; raw's is memory-copy bandwidth; cold rows are also bounded by the disk's "
              "sequential read speed).", ""]
-    if "warm" in s["caches"]:
-        lines += [f"Warm page cache, epoch {s['epochs']}:", ""] + results_table(results, "warm") + [""]
-    if "cold" in s["caches"]:
-        cold = [r for r in results["rows"] if r["cache"] == "cold"]
-        evicted = all(r["eviction_ok"] for r in cold)
-        note = "" if evicted else " (the eviction did NOT take on every run: these rows are partly warm)"
-        lines += [f"Cold page cache (each file evicted before the run), epoch 1{note}:", ""]
-        lines += results_table(results, "cold") + [""]
+    for workers in s["workers"]:
+        how = f"workers {workers}: " + ("decode threads in the main process" if workers == 0 else
+                                         f"{workers} worker processes")
+        if "warm" in s["caches"]:
+            lines += [f"Warm page cache, epoch {s['epochs']}, {how}:", ""]
+            lines += results_table(results, "warm", workers) + [""]
+        if "cold" in s["caches"]:
+            cold = [r for r in results["rows"] if r["cache"] == "cold"]
+            evicted = all(r["eviction_ok"] for r in cold)
+            note = "" if evicted else " (the eviction did NOT take on every run: these rows are partly warm)"
+            lines += [f"Cold page cache (each file evicted before the run), epoch 1, {how}{note}:", ""]
+            lines += results_table(results, "cold", workers) + [""]
     lines += ["Conversion (all cores):", ""] + conversion_table(results) + [""]
     lines += ["Limits measured in the same run:", ""] + [f"- {line}" for line in limits_lines(results)] + [""]
     lines += ["Every figure, for every worker count and epoch, is in `results.json`; "
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=None, help="image folder to use or make (default OUT/data)")
     ap.add_argument("--formats", default="lmdb,hdf5,wds")
-    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    ap.add_argument("--workers", default="0,2",
+                    help="DataLoader workers, comma-separated; 0 = make_loader's decode threads (default 0,2)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="runs per figure, median (default 1)")

@@ -322,8 +322,12 @@ class PackedDataset(Dataset):
         labels = self.gather_raw(indices, out) if self._is_raw else None
         if labels is None:
             samples = self._read_many(indices)
-            self._parallel(lambda j: self._array(indices[j], self._checked(indices[j], samples[j]), out[j]),
-                      list(range(len(indices))))
+            fill = lambda j: self._array(indices[j], self._checked(indices[j], samples[j]), out[j])  # noqa: E731
+            if self._is_raw and not (self.resize or self.center_crop):
+                for j in range(len(indices)):  # a copy each: less work than handing it to a thread
+                    fill(j)
+            else:
+                self._parallel(fill, list(range(len(indices))))
             labels = [s.label for s in samples]
         images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy
         labels = torch.as_tensor(labels, dtype=torch.int64)

@@ -229,18 +229,27 @@ class LmdbDataset(PackedDataset):
             self._pid = None  # close_environments() closed this process's environments
         super()._ensure_open()
 
-    def _get(self, index: int) -> tuple[Sample, str]:
-        where = self._describe(index)
+    def _value(self, index: int) -> memoryview:
         try:
             value = self.txn.get(key(index))
         except lmdb.Error as exc:
-            raise CorruptDataError(f"{where}: LMDB read failed ({exc}); run `packer verify`") from None
+            raise CorruptDataError(f"{self._describe(index)}: LMDB read failed ({exc}); run `packer verify`") from None
         if value is None:
-            raise CorruptDataError(f"{where}: record missing; the dataset is damaged, re-pack")
-        return unpack_record(value, where)
+            raise CorruptDataError(f"{self._describe(index)}: record missing; the dataset is damaged, re-pack")
+        return value
+
+    def _get(self, index: int) -> tuple[Sample, str]:
+        return unpack_record(self._value(index), self._describe(index))
 
     def _read(self, index: int) -> Sample:
-        return self._get(index)[0]
+        # the hot path: check the header and slice the payload, without decoding the path or naming the sample
+        value = self._value(index)
+        if len(value) >= HEADER.size:
+            magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(value)
+            start = HEADER.size + path_len
+            if magic == MAGIC and start + size == len(value):
+                return Sample(value[start:], label, (h, w, c), crc)
+        return self._get(index)[0]  # raises the detailed error
 
     def relpath(self, index: int) -> str:
         index = self._check_index(index)
