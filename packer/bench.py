@@ -47,9 +47,9 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .errors import PackerError
+from .errors import PackerError, warn
 from .system import usable_cores
-from .transforms import STORES, apply_geometry, decode, open_image, parse_size, to_pil
+from .transforms import STORES, apply_geometry, as_hwc, decode, open_image, parse_size, resize_crop, to_pil
 
 DEFAULT_OUT = "bench-out"
 WARMUP_BATCHES = 2  # batches of epoch 1 left out of its rate: worker start-up and first-touch costs
@@ -59,10 +59,6 @@ PAYLOAD_LIMIT = 256 << 20  # stored bytes held in memory for the decode ceiling
 VERSIONED = ("torch", "numpy", "pillow", "simplejpeg", "h5py", "lmdb", "webdataset")
 
 Size = int | tuple[int, int] | None
-
-
-def warn(message: str) -> None:
-    print(f"packer: warning: {message}", file=sys.stderr, flush=True)
 
 
 # -- the machine ------------------------------------------------------------------------------------------------
@@ -308,13 +304,17 @@ def _decode_one(payload: Any, state: dict[str, Any]) -> None:
     if isinstance(payload, np.ndarray):
         arr = payload
     elif state["decoder"] == "pil":
-        arr = np.asarray(open_image(bytes(payload), "<bench>").convert(state["mode"]))
-        arr = arr if arr.ndim == 3 else arr[:, :, None]
+        arr = as_hwc(open_image(bytes(payload), "<bench>").convert(state["mode"]))
     else:
         arr = decode(payload, state["mode"])
     if state["resize"] or state["crop"]:
-        arr = np.asarray(apply_geometry(to_pil(arr), state["resize"], None, state["crop"], state["interpolation"]))
-        arr = arr if arr.ndim == 3 else arr[:, :, None]
+        # the geometry the reader itself uses: exact for the pil decoder, the fused resize+crop otherwise
+        img = to_pil(arr)
+        if state["decoder"] == "pil":
+            img = apply_geometry(img, state["resize"], None, state["crop"], state["interpolation"])
+        else:
+            img = resize_crop(img, state["resize"], state["crop"], state["interpolation"])
+        arr = as_hwc(img)
     if state["out"] is None or state["out"].shape != arr.shape:
         state["out"] = np.empty_like(arr)
     state["out"][...] = arr

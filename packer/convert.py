@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .errors import DestinationError, ImageError, PackerError, SourceError
+from .errors import DestinationError, ImageError, PackerError, SourceError, warn
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
 from .sources import SampleReader, Source, open_source
@@ -35,10 +35,6 @@ from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, Transfo
 
 CHUNK = 16
 MARKER = ".packer-in-progress"
-
-
-def warn(message: str) -> None:
-    print(f"packer: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:

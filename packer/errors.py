@@ -1,6 +1,15 @@
-"""The errors packer raises. Every one carries a one-line message that names the file and says what to do."""
+"""The errors packer raises, and its warnings. Every error carries a one-line message that names the file and says
+what to do."""
 
 from __future__ import annotations
+
+import sys
+
+
+def warn(message: str) -> None:
+    """One line on stderr; warnings print even with --quiet."""
+    print(f"packer: warning: {message}", file=sys.stderr, flush=True)
+
 
 
 class PackerError(Exception):

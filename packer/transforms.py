@@ -246,14 +246,19 @@ def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
         except ValueError as exc:
             raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
     else:
-        arr = np.asarray(open_image(bytes(data), name, max_pixels).convert(mode))
-        arr = arr if arr.ndim == 3 else arr[:, :, None]
+        arr = as_hwc(open_image(bytes(data), name, max_pixels).convert(mode))
     if out is not None:
         if arr.shape != out.shape:
             raise ImageError(name, f"decoded to {arr.shape}, expected {out.shape}; the dataset is damaged")
         out[...] = arr
         return out
     return arr
+
+
+def as_hwc(img: Image.Image | np.ndarray) -> np.ndarray:
+    """A PIL image or array as (H, W, C): one-channel images keep a channel axis of 1."""
+    arr = np.asarray(img)
+    return arr if arr.ndim == 3 else arr[:, :, None]
 
 
 def to_pil(array: np.ndarray) -> Image.Image:

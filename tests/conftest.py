@@ -84,6 +84,18 @@ def reference_scan():
     return imagefolder_reference
 
 
+def stored_samples(dest: Path) -> list[tuple[str, int, bytes]]:
+    """Every sample of a packed dataset as (relpath, label, stored bytes), read with checksums on."""
+    import packer
+
+    ds = packer.open_dataset(dest, decode=False, verify=True)
+    out = []
+    for i in range(len(ds)):
+        data, label = ds.raw_sample(i)
+        out.append((ds.relpath(i), label, data.tobytes() if isinstance(data, np.ndarray) else bytes(data)))
+    return out
+
+
 def snapshot(root: str | os.PathLike) -> dict[str, bytes | None]:
     """Every path under ``root`` with its bytes (None for folders): compare two snapshots to prove nothing
     changed."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import stored_samples
 from PIL import Image
 
 import packer
@@ -101,13 +102,6 @@ def check_stderr(err: str, kind: str, names: list[str]) -> str:
     return hits[0]
 
 
-def samples(dest: Path) -> list[tuple]:
-    ds = packer.open_dataset(dest, decode=False, verify=True)
-    out = []
-    for i in range(len(ds)):
-        data, label = ds.raw_sample(i)
-        out.append((ds.relpath(i), label, data.tobytes() if isinstance(data, np.ndarray) else bytes(data)))
-    return out
 
 
 def no_dac_override() -> list[str]:
@@ -453,7 +447,7 @@ def check_case(case: Case, ctx: dict, res: dict) -> None:
         manifest = json.loads((dest / "manifest.json").read_text())
         assert manifest["count"] == ctx["good"], manifest["count"]
         assert any(ctx["names"][0] in e["path"] for e in manifest["skipped"]), manifest["skipped"]
-        got = samples(dest)
+        got = stored_samples(dest)
         assert len(got) == ctx["good"] and not any(ctx["names"][0] in rel for rel, _, _ in got)
         if "strict" in res:
             rc_s, _, err_s = res["strict"]
@@ -486,7 +480,7 @@ def check_resumed_after_full_disk(case: Case, ctx: dict, res: dict) -> None:
     assert rc == 0 and "Traceback" not in err, err
     reference = ctx["mount"].parent / "reference"
     packer.pack(ctx["src"], reference, case.format, store="raw", shard_samples=10, progress=False, workers=1)
-    assert samples(ctx["dest"]) == samples(reference)
+    assert stored_samples(ctx["dest"]) == stored_samples(reference)
 
 
 def check_shard_refused(ctx: dict) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import stored_samples
 from PIL import Image
 
 import packer
@@ -156,13 +157,6 @@ def kill_points(fmt: str, src: Path) -> list[Callable[[Path], bool]]:
 # what a dataset holds
 # --------------------------------------------------------------------------------------------------------------
 
-def samples(dest: Path) -> list[tuple[str, int, bytes]]:
-    ds = packer.open_dataset(dest, decode=False, verify=True)
-    out = []
-    for i in range(len(ds)):
-        data, label = ds.raw_sample(i)
-        out.append((ds.relpath(i), label, data.tobytes() if isinstance(data, np.ndarray) else bytes(data)))
-    return out
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -187,7 +181,7 @@ def assert_same_dataset(dest: Path, reference: Path, fmt: str) -> None:
         assert got.get(key) == want.get(key), key
     assert got["resumed"] is True and want["resumed"] is False
     assert got["source"]["images"] == want["source"]["images"] == N_IMAGES
-    a, b = samples(dest), samples(reference)
+    a, b = stored_samples(dest), stored_samples(reference)
     assert len(a) == len(b) == N_IMAGES
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert x == y, f"sample {i} differs: {x[:2]} vs {y[:2]}"
@@ -319,7 +313,7 @@ def test_resume_with_nothing_to_resume_starts_afresh(source, runs, tmp_path):
     assert "nothing to resume" in r["stderr"] and "starting afresh" in r["stderr"], r["stderr"]
     got, want = manifest(dest), manifest(reference(runs, "hdf5"))
     assert got["resumed"] is False and got["count"] == want["count"]
-    assert samples(dest) == samples(reference(runs, "hdf5"))
+    assert stored_samples(dest) == stored_samples(reference(runs, "hdf5"))
 
 
 CHANGES = {

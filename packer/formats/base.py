@@ -25,6 +25,7 @@ from ..transforms import (
     Encoded,
     TransformSpec,
     apply_geometry,
+    as_hwc,
     decode,
     open_image,
     parse_size,
@@ -248,15 +249,15 @@ class PackedDataset(Dataset):
                 raise CorruptDataError(f"{name}: stored array has {len(sample.payload)} bytes, not the "
                                        f"{sample.shape} it should; re-pack") from None
             if geometry:
-                arr = _as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+                arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         elif self.decoder == "pil":
             img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
             if geometry:
                 img = apply_geometry(img, self.resize, None, self.center_crop, self.interpolation)
-            arr = _as_hwc(img)
+            arr = as_hwc(img)
         elif geometry:
             arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
-            arr = _as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+            arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         else:
             return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
         if out is not None:
@@ -337,11 +338,6 @@ class PackedDataset(Dataset):
         result = PackedBatch(pairs)
         result.images, result.labels = images, labels
         return result
-
-def _as_hwc(img) -> np.ndarray:
-    arr = np.asarray(img)
-    return arr if arr.ndim == 3 else arr[:, :, None]
-
 
 _REGISTRY: dict[str, tuple[type[Writer], type[PackedDataset]]] = {}
 

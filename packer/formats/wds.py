@@ -274,6 +274,7 @@ class WdsDataset(PackedDataset):
         self.index = None
         self.maps: list | None = None
         self._foreign: tuple[np.ndarray, np.ndarray] | None = None  # (index, relpaths) of foreign shards
+        self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
@@ -338,7 +339,7 @@ class WdsDataset(PackedDataset):
         if a + size > len(m):
             raise CorruptDataError(f"{self.shard_paths[shard]} sample {index}: shard is truncated; "
                                    "run `packer verify` and re-pack")
-        crc = int(row["crc32"]) if "crc32" in self.manifest.get("checksum", "crc32") else None
+        crc = int(row["crc32"]) if self._has_crc else None
         return Sample(memoryview(m)[a:a + size], int(row["label"]), tuple(int(x) for x in row["shape"]), crc)
 
     def relpath(self, index: int) -> str:
