@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
@@ -199,15 +200,35 @@ def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
     return img.resize(crop, INTERPOLATIONS[interpolation], box=box)
 
 
+# Pillow's bomb check reads the process-wide Image.MAX_IMAGE_PIXELS; it is lifted only around the header parse,
+# under this lock, so that packer's own check decides, at --max-pixels whether that is below or above Pillow's.
+_PILLOW_LIMIT = threading.Lock()
+
+
+def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
+    if width * height > max_pixels:
+        raise ImageError(name, f"{width}x{height} is over the {max_pixels:,}-pixel limit (a decompression bomb?); "
+                               "raise --max-pixels if the image is genuine")
+
+
+def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
+    """``Image.open`` (the header only), refused over ``max_pixels`` before any pixel is decoded."""
+    with _PILLOW_LIMIT:
+        pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            img = Image.open(io.BytesIO(data))
+        finally:
+            Image.MAX_IMAGE_PIXELS = pillow_limit
+    _check_pixels(img.width, img.height, max_pixels, name)
+    return img
+
+
 def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Open and fully decode ``data`` with Pillow, refusing decompression bombs; errors name ``name``."""
     if not data:
         raise ImageError(name, "empty file (0 bytes); remove it or restore the image")
     try:
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > max_pixels:
-            raise ImageError(name, f"{img.width}x{img.height} is over the {max_pixels:,}-pixel limit "
-                                   "(a decompression bomb?); raise --max-pixels if the image is genuine")
+        img = _open_checked(data, name, max_pixels)
         img.load()
     except ImageError:
         raise
@@ -234,8 +255,7 @@ def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
     if _jpeg_colorspace(data) in ("YCbCr", "Gray"):
         try:
             h, w = simplejpeg.decode_jpeg_header(data)[:2]
-            if h * w > max_pixels:
-                raise ImageError(name, f"{w}x{h} is over the {max_pixels:,}-pixel limit; raise --max-pixels")
+            _check_pixels(w, h, max_pixels, name)
             channels = 1 if mode == "L" else 3
             direct = out is not None and out.shape == (h, w, channels) and out.flags.c_contiguous
             arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB",
@@ -285,7 +305,7 @@ def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
 def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
     if spec.store == "original":
         pixels = decode(data, spec.mode, name, spec.max_pixels)  # proves the file decodes; the bytes stay as they are
-        fmt = Image.open(io.BytesIO(data)).format
+        fmt = _open_checked(data, name, spec.max_pixels).format
         ext = EXTENSION_BY_FORMAT.get(fmt, name.rsplit(".", 1)[-1].lower())
         return Encoded(data, ext, pixels.shape, zlib.crc32(data))
     img = open_image(data, name, spec.max_pixels)

@@ -74,7 +74,9 @@ class LmdbWriter(Writer):
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
-        map_size = max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5))
+        # PACKER_LMDB_MAP_BYTES starts from a smaller map, so that tests reach the map growth in _commit
+        map_size = (int(os.environ.get("PACKER_LMDB_MAP_BYTES", 0))
+                    or max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5)))
         self.env = lmdb.open(str(dest), map_size=map_size, subdir=True, meminit=False, sync=False,
                              metasync=False, map_async=False, readahead=False, max_dbs=0)
         # commits are the points a conversion can resume from; PACKER_COMMIT_SAMPLES makes them denser (tests)
