@@ -9,6 +9,7 @@ chunks per worker are in flight, so memory stays flat however large the dataset.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -341,9 +342,22 @@ def make_manifest(plan: _Plan, count: int, extras: dict[str, Any], skipped: list
     }
 
 
+# What to do about a failed write, by errno; LMDB reports every failed write as EIO, hence the broad default.
+_WRITE_ADVICE = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space or raise your disk quota",
+    errno.EFBIG: "a file outgrew the file-size limit (ulimit -f) or the file system's largest file; lift the limit "
+                 "or choose a DEST on another file system",
+    errno.EACCES: "fix permissions",
+    errno.EPERM: "fix permissions",
+    errno.EROFS: "the file system is read-only; remount it writable",
+}
+
+
 def _write_failed(dest: Path, exc: OSError) -> PackerError:
-    return PackerError(f"{dest}: write failed ({exc.strerror or exc}); free space or fix permissions, then run the "
-                       "same command with --resume")
+    advice = _WRITE_ADVICE.get(exc.errno, "free space, lift any file-size limit (ulimit -f) or fix permissions")
+    return PackerError(f"{dest}: write failed ({exc.strerror or exc}); {advice}, then run the same command with "
+                       "--resume")
 
 
 def _ignore_sigint() -> None:
@@ -441,7 +455,6 @@ class _Conversion:
                 raise
             pool.shutdown()
         except OSError as exc:
-            raise PackerError(f"{self.dest}: write failed ({exc.strerror}); free space or fix permissions, then "
-                              "run the same command with --resume") from None
+            raise _write_failed(self.dest, exc) from None
         finally:
             self.bar.close()

@@ -203,6 +203,19 @@ def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
 # Pillow's bomb check reads the process-wide Image.MAX_IMAGE_PIXELS; it is lifted only around the header parse,
 # under this lock, so that packer's own check decides, at --max-pixels whether that is below or above Pillow's.
 _PILLOW_LIMIT = threading.Lock()
+_lifted_from: list[int | None] = []  # Pillow's limit while lifted
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread held the lock (a DataLoader worker) would wait on it forever, and
+    keep Pillow's limit lifted: give it a fresh lock and Pillow's limit back."""
+    global _PILLOW_LIMIT
+    if _lifted_from:
+        Image.MAX_IMAGE_PIXELS = _lifted_from.pop()
+    _PILLOW_LIMIT = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
@@ -214,11 +227,12 @@ def _check_pixels(width: int, height: int, max_pixels: int, name: str) -> None:
 def _open_checked(data: bytes, name: str, max_pixels: int) -> Image.Image:
     """``Image.open`` (the header only), refused over ``max_pixels`` before any pixel is decoded."""
     with _PILLOW_LIMIT:
-        pillow_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        _lifted_from.append(Image.MAX_IMAGE_PIXELS)
+        Image.MAX_IMAGE_PIXELS = None
         try:
             img = Image.open(io.BytesIO(data))
         finally:
-            Image.MAX_IMAGE_PIXELS = pillow_limit
+            Image.MAX_IMAGE_PIXELS = _lifted_from.pop()
     _check_pixels(img.width, img.height, max_pixels, name)
     return img
 

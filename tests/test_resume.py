@@ -280,6 +280,25 @@ def test_kill_resume_kill_resume(fmt, source, runs, tmp_path):
     assert_same_dataset(dest, reference(runs, fmt), fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_killed_run_has_complete_files_only_under_final_names(fmt, runs, tmp_path):
+    """What a SIGKILL leaves: no manifest, so readers, info and verify say it is unfinished; each WebDataset shard
+    under its final name is complete (the uninterrupted run's, byte for byte) and any other has a .tmp name; HDF5
+    has written only its .tmp files (data.h5 is written whole at the end)."""
+    dest = interrupted_copy(runs, fmt, tmp_path)
+    assert_incomplete(dest)
+    finished = reference(runs, fmt)
+    names = sorted(p.name for p in dest.iterdir())
+    if fmt == "wds":
+        final = [n for n in names if n.startswith("shard-") and n.endswith(".tar")]
+        assert final, names
+        for name in final:
+            assert (dest / name).read_bytes() == (finished / name).read_bytes(), name
+        assert all(n.endswith(".tmp") for n in names if n.startswith("shard-") and n not in final), names
+    if fmt == "hdf5":
+        assert "data.h5" not in names and "data.h5.blob.tmp" in names, names
+
+
 def test_resume_before_first_checkpoint(source, runs, tmp_path):
     """Killed before anything was durable (the journal holds no writer state): --resume starts from the first
     image, says so, and still ends identical."""
