@@ -7,6 +7,7 @@ batching here, so every format gives the same pixels for the same stored bytes.
 
 from __future__ import annotations
 
+import operator
 import os
 import zlib
 from abc import ABC, abstractmethod
@@ -210,6 +211,7 @@ class PackedDataset(Dataset):
         return ()
 
     def _check_index(self, index: int) -> int:
+        index = operator.index(index)  # an int, numpy integer or EpochIndex; 1.5 is a TypeError, not sample 1
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample index {index} out of range for {n} samples")
