@@ -29,6 +29,7 @@ from ..errors import CorruptDataError, PackerError
 from ..manifest import file_entry, fsync_dir
 from ..transforms import Encoded, decode
 from .base import PackedDataset, Sample, Writer, register
+from .identity import FileId, changed_error, check_unchanged, file_id
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -275,6 +276,9 @@ class WdsDataset(PackedDataset):
         self.maps: list | None = None
         self._foreign: tuple[np.ndarray, np.ndarray] | None = None  # (index, relpaths) of foreign shards
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
+        # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
+        # by a repack of DEST before then is refused rather than read at the old index's offsets
+        self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
@@ -306,16 +310,29 @@ class WdsDataset(PackedDataset):
         return ("index", "maps")
 
     def _open(self) -> None:
-        self.maps = [None] * len(self.shard_paths)
+        # a forked worker keeps the index and shards its parent mapped (the files the parent reads)
+        if self.maps is None:
+            self.maps = [None] * len(self.shard_paths)
+        if self.index is not None:
+            return
         if self._foreign is not None:
             self.index = self._foreign[0]
             return
+        path = self.root / INDEX
         try:
-            index = np.load(self.root / INDEX, mmap_mode="r", allow_pickle=False)
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
-            raise CorruptDataError(f"{self.root / INDEX}: cannot read the shard index ({exc}); re-pack") from None
-        if index.dtype != INDEX_DTYPE or len(index) != self._count:
-            raise CorruptDataError(f"{self.root / INDEX}: index does not match the manifest; re-pack")
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded = self._file_ids.get(path)
+        now = file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
+            raise changed_error(path)
+        self._file_ids[path] = now
+        if index.dtype != INDEX_DTYPE:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise CorruptDataError(f"{path}: holds {len(index)} samples, the manifest says {self._count}; "
+                                   "run `packer verify`")
         self.index = index
 
     def _map(self, shard: int) -> mmap.mmap:
@@ -324,7 +341,13 @@ class WdsDataset(PackedDataset):
             path = self.shard_paths[shard]
             try:
                 with open(path, "rb") as f:
+                    now = FileId.of(os.fstat(f.fileno()))
+                    check_unchanged(path, self._file_ids.get(path), now)
                     m = self.maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                if self._file_ids.get(path) is not None:  # there when the manifest was read
+                    raise changed_error(path) from None
+                raise CorruptDataError(f"{path}: cannot map shard (no such file); run `packer verify`") from None
             except (OSError, ValueError) as exc:
                 raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
         return m
