@@ -180,6 +180,11 @@ class PackedDataset(Dataset):
         """Where sample ``index`` lives, for error messages."""
         return f"{self.root} sample {index}"
 
+    def open(self) -> None:
+        """Open this process's handles now instead of at the first read, so that a missing, damaged or
+        replaced data file is reported before any sample is asked for."""
+        self._ensure_open()
+
     # -- shared machinery ----------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
         if self._pid != os.getpid():
