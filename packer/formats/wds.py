@@ -10,6 +10,22 @@ position in the output order, so keys stay unique across parts.
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
 written under ``.tmp`` names and renamed once complete.
+
+A reader maps each shard on first use and keeps it; a shard (or the index) replaced since the reader read its
+manifest, e.g. by ``packer pack --overwrite`` of the same DEST, is refused in one line rather than read at the
+old offsets.
+
+Shards written by other tools (:func:`scan_shards`, :meth:`WdsDataset.from_shards`, and ``packer pack`` from
+shards) are read as webdataset groups them, by key. What cannot be one unambiguous sample is never dropped or
+guessed silently:
+
+- refused, naming the shard and the member: names with an absolute path or ``..``; a missing label; a label
+  that is not a class index (negative, ``1.7``, ``true``, or over :data:`MAX_SHARD_CLASSES`); a ``.npy`` image
+  that is not a plain uint8 array (an object array is a pickle: it is never loaded);
+- listed in ``skipped`` (the dataset's ``skipped``; for ``packer pack``, warned about and kept in the manifest's
+  ``skipped``): link members, symbolic or hard, and other members that are not regular files; a key whose
+  image or label member appears twice; a key with no image member (a ``.pyd`` or ``.pickle`` payload is
+  never read).
 """
 
 from __future__ import annotations
