@@ -305,6 +305,20 @@ def test_labels_that_are_not_class_indices_are_refused(tmp_path, label, member):
         assert str(shard) in message and member in message and "\n" not in message, message
 
 
+def test_class_cap_boundary(tmp_path):
+    """Labels up to MAX_SHARD_CLASSES - 1 make that many classes; one more is refused; a class list given to
+    from_shards sets the bound instead."""
+    from packer.formats.wds import MAX_SHARD_CLASSES
+
+    top = write_tar(tmp_path / "top.tar", [*sample("a", 0), *sample("b", MAX_SHARD_CLASSES - 1)])
+    assert len(packer.WdsDataset.from_shards([top]).classes) == MAX_SHARD_CLASSES
+    over = write_tar(tmp_path / "over.tar", [*sample("a", 0), *sample("b", MAX_SHARD_CLASSES)])
+    with pytest.raises(PackerError, match="b.cls"):
+        packer.WdsDataset.from_shards([over])
+    names = [f"c{i}" for i in range(MAX_SHARD_CLASSES + 1)]
+    assert packer.WdsDataset.from_shards([over], classes=names)[1][1] == MAX_SHARD_CLASSES
+
+
 def test_labels_beyond_given_classes_are_refused(tmp_path):
     shard = write_tar(tmp_path / "s.tar", [*sample("a", 0), *sample("b", 2)])
     with pytest.raises(PackerError, match=r"b\.cls.*2 classes|2 classes.*b\.cls") as info:
