@@ -221,6 +221,10 @@ class LmdbDataset(PackedDataset):
     """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
     ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
 
+    Datasets on the same ``data.mdb`` share its environment. A DEST repacked with ``--overwrite`` holds a new
+    file: a new dataset opens it, an open one (and its forked workers) keeps reading its own, and one whose file
+    was replaced before its first read refuses (see :mod:`packer.formats.identity`).
+
     ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
     more, so without it a cold read faults them in one 4 KB page at a time (measured: 0.03x the folder's
     rate on a cold cache); turn it off only for records much smaller than a page."""
