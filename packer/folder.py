@@ -56,7 +56,7 @@ class FolderDataset(PackedDataset):
         return Sample(data, int(self.labels[index]), (0, 0, 0), None)
 
     def relpath(self, index: int) -> str:
-        return self._paths[index].decode("utf-8")
+        return self._paths[self._check_index(index)].decode("utf-8")
 
     def _describe(self, index: int) -> str:
         return str(Path(self.root) / self.relpath(index))

@@ -171,7 +171,7 @@ class DatasetReader(SampleReader):
         ds = self.dataset
         relpath = f"sample {index}"
         try:
-            ds._ensure_open()
+            ds.open()
             relpath = ds.relpath(index)
             sample = ds._checked(index, ds._read(index))
             foreign_array = getattr(ds, "_foreign", None) is not None and tuple(sample.shape) != (0, 0, 0)
@@ -205,6 +205,7 @@ class PackedSource(Source):
 
         root = Path(root)
         ds = open_dataset(root, decode=False, verify=True)
+        ds.open()  # a damaged or unreadable data file is one error here, not one skipped line per sample
         manifest = ds.manifest
         super().__init__(root, ds.classes, len(ds))
         if ds.spec.normalize:
@@ -255,8 +256,9 @@ class ShardsSource(Source):
     def __init__(self, paths: list[Path], label_key: str = "cls", pattern: str | None = None):
         from .formats.wds import WdsDataset
 
-        ds = WdsDataset.from_shards(paths, label_key=label_key, decode=False)
+        ds = WdsDataset.from_shards(paths, label_key=label_key, decode=False, warn_skipped=False)
         super().__init__(ds.root, ds.classes, len(ds))
+        self.errors = list(ds.skipped)  # link and repeated members: warned about and listed in the manifest
         self.dataset = ds
         self.paths = [Path(p) for p in paths]
         self.label_key = label_key

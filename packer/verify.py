@@ -106,8 +106,11 @@ def _check_samples(ds, manifest: dict, deep: bool, damaged_files: set[str]) -> l
                 ds._check_label(i, sample.label)
             if deep:
                 arr = ds._array(i, sample)
-                if tuple(arr.shape) != tuple(sample.shape) or (shape and list(arr.shape) != list(shape)):
-                    problems.append(f"{where}: decodes to {arr.shape}, recorded as {sample.shape}")
+                if tuple(arr.shape) != tuple(sample.shape):
+                    problems.append(f"{where}: decodes to {tuple(arr.shape)}, recorded as {tuple(sample.shape)}")
+                elif shape and tuple(arr.shape) != tuple(shape):
+                    problems.append(f"{where}: decodes to {tuple(arr.shape)}, the manifest says every image is "
+                                    f"{tuple(shape)}")
         except PackerError as exc:
             problems.append(str(exc))
     return problems

@@ -7,6 +7,7 @@ batching here, so every format gives the same pixels for the same stored bytes.
 
 from __future__ import annotations
 
+import operator
 import os
 import zlib
 from abc import ABC, abstractmethod
@@ -179,6 +180,11 @@ class PackedDataset(Dataset):
         """Where sample ``index`` lives, for error messages."""
         return f"{self.root} sample {index}"
 
+    def open(self) -> None:
+        """Open this process's handles now instead of at the first read, so that a missing, damaged or
+        replaced data file is reported before any sample is asked for."""
+        self._ensure_open()
+
     # -- shared machinery ----------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
         if self._pid != os.getpid():
@@ -210,6 +216,7 @@ class PackedDataset(Dataset):
         return ()
 
     def _check_index(self, index: int) -> int:
+        index = operator.index(index)  # an int, numpy integer or EpochIndex; 1.5 is a TypeError, not sample 1
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample index {index} out of range for {n} samples")

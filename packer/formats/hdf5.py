@@ -24,6 +24,7 @@ from ..errors import CorruptDataError
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import PackedDataset, Sample, Writer, register
+from .identity import changed_error, check_unchanged, file_id
 
 FILENAME = "data.h5"
 COPY_BYTES = 64 << 20
@@ -112,6 +113,7 @@ class Hdf5Dataset(PackedDataset):
         self._count = int(self.manifest["count"])
         self.path = self.root / FILENAME
         self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
+        self._file_id = file_id(self.path)  # the file the manifest just read describes
 
     def __len__(self) -> int:
         return self._count
@@ -120,6 +122,12 @@ class Hdf5Dataset(PackedDataset):
         return ("file", "images", "offsets", "shapes", "labels", "crcs")
 
     def _open(self) -> None:
+        # the open file and the maps keep reading this file if DEST is repacked later; a file replaced before
+        # this process opened it is refused
+        now = file_id(self.path)
+        recorded = self._file_id = self._file_id or now
+        if now is not None:
+            check_unchanged(self.path, recorded, now)
         try:
             self.file = h5py.File(self.path, "r", locking=self.locking)
             self.images = _memmap(self.path, self.file["images"])
@@ -129,6 +137,8 @@ class Hdf5Dataset(PackedDataset):
             self.crcs = _memmap(self.path, self.file["crc32"])
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+        if file_id(self.path) != recorded:  # replaced while it was being opened
+            raise changed_error(self.path)
         if len(self.labels) != self._count:
             raise CorruptDataError(f"{self.path}: holds {len(self.labels)} samples, the manifest says "
                                    f"{self._count}; run `packer verify`")

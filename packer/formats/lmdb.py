@@ -24,6 +24,7 @@ import errno
 import os
 import struct
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..errors import CorruptDataError, PackerError
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import PackedDataset, Sample, Writer, register
+from .identity import FileId, changed_error, check_unchanged, file_id
 
 HEADER = struct.Struct("<4siIHHBBHI")
 MAGIC = b"PKR1"
@@ -138,7 +140,19 @@ class LmdbWriter(Writer):
         self.env.close()
 
 
-_ENVS: dict[str, lmdb.Environment] = {}
+class _SharedEnv:
+    """An environment this process opened (or inherited at a fork), and the datasets that read it."""
+
+    def __init__(self, env: lmdb.Environment, path: Path):
+        self.env = env
+        self.path = path
+        self.pid = os.getpid()
+        self.users: weakref.WeakSet = weakref.WeakSet()
+
+
+# by the (st_dev, st_ino) of data.mdb: py-lmdb refuses to open the same file twice in a process, and a DEST
+# repacked with --overwrite has a new data.mdb (another inode while the old one is mapped) under the same path
+_ENVS: dict[tuple[int, int], _SharedEnv] = {}
 _generation = 0
 
 
@@ -153,8 +167,8 @@ def close_environments() -> None:
     ``lock=False``: no lock table or reader slot is tied to the parent) and begins its own transactions on them;
     py-lmdb refuses to open the same files a second time in one process anyway."""
     global _generation
-    for env in _ENVS.values():
-        env.close()
+    for shared in _ENVS.values():
+        shared.env.close()
     _ENVS.clear()
     _generation += 1
 
@@ -170,27 +184,48 @@ def _new_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
-def _shared_env(root: Path, readahead: bool) -> lmdb.Environment:
-    """py-lmdb refuses to open one path twice in a process, so datasets on the same path share this process's
-    environment (read-only, so sharing is safe). Opened under a lock: two threads opening the same dataset at
-    once (make_loader's prefetch thread and the main thread) would otherwise both open it, and one would fail."""
-    cache_key = os.path.realpath(root)
-    env = _ENVS.get(cache_key)
-    if env is not None:
-        return env
+def _close_unused() -> None:
+    """Close the environments of replaced files that no dataset reads any more, so that the deleted files'
+    space is given back; only those this process opened (closing an inherited one hangs, see above). A thread
+    reading through an environment holds its dataset, so no reader is left on a closed map."""
+    for key, shared in list(_ENVS.items()):
+        now = file_id(shared.path)
+        if shared.pid == os.getpid() and not shared.users and (now is None or (now.dev, now.ino) != key):
+            shared.env.close()
+            del _ENVS[key]
+
+
+def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbDataset) -> lmdb.Environment:
+    """The environment of the data file noted as ``recorded``: this process's (or the one it inherited), shared
+    by every dataset on that file (read-only, so sharing is safe), else opened now, after checking that the
+    file at the path is still that one. Opened under a lock: two threads opening the same dataset at once
+    (make_loader's prefetch thread and the main thread) would otherwise both open it, and one would fail."""
+    path = root / "data.mdb"
+    key = (recorded.dev, recorded.ino)
     with _ENVS_LOCK:
-        if cache_key not in _ENVS:
+        shared = _ENVS.get(key)
+        if shared is None:
+            _close_unused()
             try:
-                _ENVS[cache_key] = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead,
-                                             meminit=False, max_spare_txns=1, subdir=True)
+                env = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead, meminit=False,
+                                max_spare_txns=1, subdir=True)
             except lmdb.Error as exc:
-                raise CorruptDataError(f"{root / 'data.mdb'}: cannot open LMDB ({exc}); run `packer verify`") from None
-        return _ENVS[cache_key]
+                raise CorruptDataError(f"{path}: cannot open LMDB ({exc}); run `packer verify`") from None
+            if file_id(path) != recorded:  # replaced between the check and the open
+                env.close()
+                raise changed_error(path)
+            shared = _ENVS[key] = _SharedEnv(env, path)
+        shared.users.add(user)
+        return shared.env
 
 
 class LmdbDataset(PackedDataset):
     """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
     ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
+
+    Datasets on the same ``data.mdb`` share its environment. A DEST repacked with ``--overwrite`` holds a new
+    file: a new dataset opens it, an open one (and its forked workers) keeps reading its own, and one whose file
+    was replaced before its first read refuses (see :mod:`packer.formats.identity`).
 
     ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
     more, so without it a cold read faults them in one 4 KB page at a time (measured: 0.03x the folder's
@@ -203,6 +238,7 @@ class LmdbDataset(PackedDataset):
         self.env = None
         self.txn = None
         self._generation = -1
+        self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
 
     def __len__(self) -> int:
         return self._count
@@ -211,20 +247,33 @@ class LmdbDataset(PackedDataset):
         return ("env", "txn")
 
     def _open(self) -> None:
-        # LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so a
-        # file shorter than the manifest says is refused before it is mapped
         path = self.root / "data.mdb"
-        try:
-            size = path.stat().st_size
-        except OSError as exc:
-            raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
-        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
-        if size < expected:
-            raise CorruptDataError(f"{path}: {size} bytes, the manifest says {expected}: the file is truncated; "
-                                   "run `packer verify` and re-pack")
-        self.env = _shared_env(self.root, self.readahead)
+        now = file_id(path)
+        recorded = self._file_id = self._file_id or now
+        inherited = recorded is not None and (recorded.dev, recorded.ino) in _ENVS
+        if not inherited or (now is not None and (now.dev, now.ino) == (recorded.dev, recorded.ino)):
+            # the file at the path is the one to read: it must be there, unchanged since the manifest was read,
+            # and whole. LMDB maps the whole file and trusts it: reading a page past the end of a truncated file
+            # is SIGBUS, so a file shorter than the manifest says is refused before it is mapped
+            if now is None:
+                try:
+                    path.stat()
+                except OSError as exc:
+                    raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
+                raise changed_error(path)
+            check_unchanged(path, recorded, now)
+            expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+            if now.size < expected:
+                raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
+                                       "truncated; run `packer verify` and re-pack")
+        # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
+        self.env = _shared_env(self.root, recorded, self.readahead, self)
         self.txn = self.env.begin(buffers=True)
         self._generation = _generation
+        entries = self.env.stat()["entries"]
+        if entries != self._count:  # cheap (the meta page), and fewer records would read as a shorter dataset
+            raise CorruptDataError(f"{path}: holds {entries} records, the manifest says {self._count}; "
+                                   "run `packer verify`")
 
     def _ensure_open(self) -> None:
         if self._pid is not None and self._generation != _generation:

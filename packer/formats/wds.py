@@ -10,6 +10,22 @@ position in the output order, so keys stay unique across parts.
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
 written under ``.tmp`` names and renamed once complete.
+
+A reader maps each shard on first use and keeps it; a shard (or the index) replaced since the reader read its
+manifest, e.g. by ``packer pack --overwrite`` of the same DEST, is refused in one line rather than read at the
+old offsets.
+
+Shards written by other tools (:func:`scan_shards`, :meth:`WdsDataset.from_shards`, and ``packer pack`` from
+shards) are read as webdataset groups them, by key. What cannot be one unambiguous sample is never dropped or
+guessed silently:
+
+- refused, naming the shard and the member: names with an absolute path or ``..``; a missing label; a label
+  that is not a class index (negative, ``1.7``, ``true``, or over :data:`MAX_SHARD_CLASSES`); a ``.npy`` image
+  that is not a plain uint8 array (an object array is a pickle: it is never loaded);
+- listed in ``skipped`` (the dataset's ``skipped``; for ``packer pack``, warned about and kept in the manifest's
+  ``skipped``): link members, symbolic or hard, and other members that are not regular files; a key whose
+  image or label member appears twice; a key with no image member (a ``.pyd`` or ``.pickle`` payload is
+  never read).
 """
 
 from __future__ import annotations
@@ -19,16 +35,18 @@ import json
 import math
 import mmap
 import os
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptDataError, PackerError
+from ..errors import CorruptDataError, PackerError, warn
 from ..manifest import file_entry, fsync_dir
 from ..transforms import Encoded, decode
 from .base import PackedDataset, Sample, Writer, register
+from .identity import FileId, changed_error, check_unchanged, file_id
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -179,11 +197,39 @@ def _safe_member(name: str) -> bool:
     return not (name.startswith("/") or ".." in name.split("/") or "\\" in name)
 
 
-def scan_shards(paths: list[Path], label_key: str = "cls") -> tuple[np.ndarray, list[str]]:
+# Labels of shards from other tools become classes "0".."largest label": the cap keeps a stray huge label from
+# making billions of classes (a MemoryError) or millions (measured at 1,000,000: a 28 MB manifest, seconds to
+# parse at every open, 660 MB of memory). Common class-labelled sets fit (ImageNet-21k: 21,841 classes;
+# iNaturalist 2021: 10,000); WdsDataset.from_shards(classes=...) takes a longer class list without the cap.
+MAX_SHARD_CLASSES = 100_000
+_LINK_KINDS = {tarfile.SYMTYPE: "symbolic link", tarfile.LNKTYPE: "hard link"}
+
+
+def _sample_key(name: str) -> tuple[str, str] | None:
+    """(key, lower-case extension) of a member name: the key is everything up to the first dot of the base name
+    (webdataset's rule), with its folder."""
+    base = name.rsplit("/", 1)[-1]
+    if "." not in base:
+        return None
+    key, ext = base.split(".", 1)
+    return name[: len(name) - len(base)] + key, ext.lower()
+
+
+def scan_shards(paths: list[Path], label_key: str = "cls", skipped: list[tuple[str, str]] | None = None,
+                classes: int | None = None) -> tuple[np.ndarray, list[str]]:
     """Index shards written by any WebDataset tool: one row per sample that has an image member and a label.
 
-    The label comes from the ``cls`` member (an integer), or with ``label_key="json:NAME"`` from a field of the
-    ``json`` member. Member names with absolute paths or ``..`` are refused."""
+    The label comes from the ``cls`` member, or with ``label_key="json:NAME"`` from a field of the ``json``
+    member; it must be a class index: an integer (or a string of digits) from 0 to ``classes - 1``
+    (default: below :data:`MAX_SHARD_CLASSES`).
+
+    Refused with an error naming the shard and the member: member names with absolute paths or ``..``; a
+    missing label; a label that is not a class index (negative, ``1.7``, ``true``, over the cap). Left out and
+    appended to ``skipped`` as ``("SHARD/MEMBER", why)``: link members (symbolic or hard; webdataset readers
+    skip them too) and other members that are not regular files; every member of a key whose image or label
+    member appears twice (which copy is meant is unknown); a key with no image member ("SHARD/KEY")."""
+    skipped = [] if skipped is None else skipped
+    limit = MAX_SHARD_CLASSES if classes is None else classes
     rows, relpaths = [], []
     for shard_id, path in enumerate(paths):
         try:
@@ -192,37 +238,46 @@ def scan_shards(paths: list[Path], label_key: str = "cls") -> tuple[np.ndarray, 
             raise CorruptDataError(f"{path}: not a readable tar shard ({exc})") from None
         with tar:
             samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-            order: list[str] = []
+            repeated: dict[str, str] = {}  # key -> the member name seen twice
+            noted: set[str] = set()  # keys that already have an entry in skipped
             try:
                 for member in tar:
-                    if not member.isfile():
-                        continue
                     if not _safe_member(member.name):
                         raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
                                                "refusing to read this shard")
-                    base = member.name.rsplit("/", 1)[-1]
-                    if "." not in base:
+                    if member.isdir():
                         continue
-                    prefix = member.name[: len(member.name) - len(base)]
-                    key, ext = base.split(".", 1)
-                    k = prefix + key
-                    if k not in samples:
-                        samples[k] = {}
-                        order.append(k)
-                    samples[k][ext.lower()] = member
+                    parsed = _sample_key(member.name)
+                    if not member.isfile():
+                        kind = _LINK_KINDS.get(member.type, "special file")
+                        skipped.append((f"{path.name}/{member.name}",
+                                        f"a {kind} in the shard, not a file; skipped (only regular members are read)"))
+                        noted.add(parsed[0] if parsed else member.name)
+                        continue
+                    if parsed is None:
+                        continue
+                    k, ext = parsed
+                    if ext in samples.setdefault(k, {}):
+                        repeated.setdefault(k, member.name)
+                    samples[k][ext] = member
             except tarfile.TarError as exc:
                 raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
-            for k in order:
-                members = samples[k]
+            for k, members in samples.items():
                 image_ext = next((e for e in IMAGE_EXTS if e in members), None)
-                if image_ext is None:
+                if k in repeated:
+                    skipped.append((f"{path.name}/{repeated[k]}", "appears twice in the shard; which copy is meant "
+                                                                  "is unknown, so the sample is skipped"))
                     continue
-                label = _read_label(tar, members, label_key, f"{path}:{k}")
+                if image_ext is None:
+                    if k not in noted:
+                        skipped.append((f"{path.name}/{k}", f"no image member ({', '.join(IMAGE_EXTS)}); skipped"))
+                    continue
+                label = _read_label(tar, members, label_key, path, k, limit, classes is not None)
                 img = members[image_ext]
                 offset, size = img.offset_data, img.size
                 if image_ext == "npy":
                     header = tar.extractfile(img).read(min(size, 4096))
-                    arr_shape, header_len = _npy_header(header, f"{path}:{img.name}")
+                    arr_shape, header_len = _npy_header(header, f"{path}: member {img.name!r}")
                     offset, size = offset + header_len, size - header_len
                 else:
                     arr_shape = (0, 0, 0)
@@ -232,14 +287,34 @@ def scan_shards(paths: list[Path], label_key: str = "cls") -> tuple[np.ndarray, 
     return index, relpaths
 
 
-def _read_label(tar: tarfile.TarFile, members: dict, label_key: str, where: str) -> int:
+def _read_label(tar: tarfile.TarFile, members: dict, label_key: str, path: Path, key: str, limit: int,
+                given: bool) -> int:
+    """The label of sample ``key``: a class index below ``limit`` (``given``: the caller's class count)."""
+    name, field = ("json", label_key[5:]) if label_key.startswith("json:") else (label_key, None)
+    member = members.get(name)
     try:
-        if label_key.startswith("json:"):
-            meta = json.loads(tar.extractfile(members["json"]).read())
-            return int(meta[label_key[5:]])
-        return int(tar.extractfile(members[label_key]).read().strip())
-    except (KeyError, ValueError, TypeError) as exc:
+        if member is None:
+            raise KeyError(f"no {name!r} member")
+        data = tar.extractfile(member).read()
+        value = json.loads(data)[field] if field is not None else data.decode("ascii").strip()
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+        where = f"{path}: member {member.name!r}" if member is not None else f"{path}: sample {key!r}"
         raise PackerError(f"{where}: no integer label under {label_key!r} ({exc}); pass --label-key") from None
+    where = f"{path}: member {member.name!r}"
+    # an int, or digits as text: never a bool (True is 1), a float (1.7 is not 1) or anything int() would coerce
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PackerError(f"{where}: label {value!r} is not an integer class index; labels are 0, 1, 2...")
+    if value < 0:
+        raise PackerError(f"{where}: label {value} is negative; labels are class indices 0, 1, 2...")
+    if value >= limit:
+        if given:
+            raise PackerError(f"{where}: label {value} is not an index into the {limit} classes given")
+        raise PackerError(f"{where}: label {value} is over the {limit:,} classes packer makes from shard labels "
+                          "(one per integer up to the largest); relabel the shards with class indices, or give the "
+                          "classes to WdsDataset.from_shards")
+    return value
 
 
 def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
@@ -275,17 +350,25 @@ class WdsDataset(PackedDataset):
         self.maps: list | None = None
         self._foreign: tuple[np.ndarray, np.ndarray] | None = None  # (index, relpaths) of foreign shards
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
+        # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
+        # by a repack of DEST before then is refused rather than read at the old index's offsets
+        self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
-                    **kwargs) -> WdsDataset:
+                    warn_skipped: bool = True, **kwargs) -> WdsDataset:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
         webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``).
-        The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``."""
+        The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``.
+
+        What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
+        in the dataset's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
+        warning line; what it refuses raises."""
         paths = [Path(p) for p in paths]
         if not paths:
             raise PackerError("from_shards needs at least one shard path")
-        index, relpaths = scan_shards(paths, label_key)
+        skipped: list[tuple[str, str]] = []
+        index, relpaths = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
         if len(index) == 0:
             raise PackerError(f"{paths[0]}: no samples with an image and a {label_key!r} label in these shards")
         if classes is None:
@@ -297,6 +380,12 @@ class WdsDataset(PackedDataset):
                     "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
         dataset = cls(root, manifest=manifest, **kwargs)
         dataset._foreign = (index, np.array(relpaths, dtype=str))
+        dataset.skipped = skipped
+        if skipped and warn_skipped:
+            rel, why = skipped[0]
+            shard = next(p for p in paths if p.name == rel.split("/", 1)[0])
+            warn(f"skipped {len(skipped)} member(s) of these shards, listed in the dataset's `skipped`; the first: "
+                 f"{shard}/{rel.split('/', 1)[1]}: {why}")
         return dataset
 
     def __len__(self) -> int:
@@ -306,16 +395,29 @@ class WdsDataset(PackedDataset):
         return ("index", "maps")
 
     def _open(self) -> None:
-        self.maps = [None] * len(self.shard_paths)
+        # a forked worker keeps the index and shards its parent mapped (the files the parent reads)
+        if self.maps is None:
+            self.maps = [None] * len(self.shard_paths)
+        if self.index is not None:
+            return
         if self._foreign is not None:
             self.index = self._foreign[0]
             return
+        path = self.root / INDEX
         try:
-            index = np.load(self.root / INDEX, mmap_mode="r", allow_pickle=False)
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
-            raise CorruptDataError(f"{self.root / INDEX}: cannot read the shard index ({exc}); re-pack") from None
-        if index.dtype != INDEX_DTYPE or len(index) != self._count:
-            raise CorruptDataError(f"{self.root / INDEX}: index does not match the manifest; re-pack")
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded = self._file_ids.get(path)
+        now = file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
+            raise changed_error(path)
+        self._file_ids[path] = now
+        if index.dtype != INDEX_DTYPE:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise CorruptDataError(f"{path}: holds {len(index)} samples, the manifest says {self._count}; "
+                                   "run `packer verify`")
         self.index = index
 
     def _map(self, shard: int) -> mmap.mmap:
@@ -324,7 +426,13 @@ class WdsDataset(PackedDataset):
             path = self.shard_paths[shard]
             try:
                 with open(path, "rb") as f:
+                    now = FileId.of(os.fstat(f.fileno()))
+                    check_unchanged(path, self._file_ids.get(path), now)
                     m = self.maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                if self._file_ids.get(path) is not None:  # there when the manifest was read
+                    raise changed_error(path) from None
+                raise CorruptDataError(f"{path}: cannot map shard (no such file); run `packer verify`") from None
             except (OSError, ValueError) as exc:
                 raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
         return m
@@ -383,7 +491,11 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     def to_sample(sample: dict) -> tuple:
         ext = next(e for e in IMAGE_EXTS if e in sample)
         if ext == "npy":
-            arr = np.load(io.BytesIO(sample[ext]), allow_pickle=False)
+            try:
+                arr = np.load(io.BytesIO(sample[ext]), allow_pickle=False)  # never unpickles
+            except ValueError as exc:
+                raise CorruptDataError(f"{sample.get('__url__', root)} sample {sample.get('__key__', '?')}: "
+                                       f"not a plain .npy array ({exc}); re-pack") from None
         else:
             arr = decode(sample[ext], mode, sample.get("__key__", "?"))
         return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1), int(sample["cls"])
