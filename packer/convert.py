@@ -26,7 +26,8 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .errors import DestinationError, ImageError, PackerError, SourceError, warn
+from .dest import JOURNAL, dataset_problems, prepare_output
+from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
 from .sources import SampleReader, Source, open_source
@@ -34,7 +35,7 @@ from .system import usable_cores
 from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, TransformSpec, parse_size
 
 CHUNK = 16
-MARKER = ".packer-in-progress"
+MARKER = JOURNAL
 
 
 def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
@@ -108,22 +109,13 @@ def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
     if dest_r.is_relative_to(src_r):
         raise DestinationError(f"{dest}: the destination is inside the source folder {src}, so packing would change "
                                "the source; choose a folder outside it")
-    if dest.exists() and not dest.is_dir():
-        raise DestinationError(f"{dest}: exists and is not a folder; choose another destination")
-    if dest.exists() and any(dest.iterdir()):
-        if not overwrite:
-            raise DestinationError(f"{dest}: already exists and is not empty; pass --overwrite to replace it")
-        if not ((dest / MANIFEST).exists() or (dest / MARKER).exists()):
-            raise DestinationError(f"{dest}: is not a packer dataset, so --overwrite will not delete it; "
-                                   "choose an empty or new folder")
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    prepare_output(dest, overwrite, dataset_problems, "packer dataset")
 
 
 def read_journal(dest: Path) -> dict | None:
     """The progress record of an unfinished conversion in ``dest``, or None."""
     path = dest / MARKER
-    if not path.exists():
+    if not _is_file(path):
         return None
     try:
         journal = json.loads(path.read_text())
@@ -163,13 +155,10 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
 
     dest = Path(dest)
     writer_cls, _ = get_format(format)
+    for name, value in (("shard_size", shard_size), ("shard_samples", shard_samples)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--{name.replace('_', '-')}: {value!r} is not a positive number")
     context = detect(distributed)
-    if resume and (dest / MANIFEST).exists():
-        if context is None or context.rank == 0:
-            print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
-        if context is not None:
-            context.close()
-        return read_manifest(dest)
 
     def plan(quiet: bool = False) -> _Plan:
         return _plan(src, format, writer_cls, dict(
@@ -179,12 +168,25 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
             shard_samples=shard_samples, strict=strict, include_hidden=include_hidden, label_key=label_key,
             workers=workers, progress=progress, quiet=quiet)
 
+    if resume and _is_file(dest / MANIFEST):
+        try:
+            return _finished(dest, plan(quiet=context is not None and context.rank != 0),
+                             speak=context is None or context.rank == 0)
+        finally:
+            if context is not None:
+                context.close()
     if context is not None:
         return pack_distributed(context, plan, dest, resume=resume, overwrite=overwrite)
     p = plan()
+    created = not _exists(dest)
     journal, resuming = open_journal(dest, p, resume, overwrite)
     started = time.time()
-    result = convert_samples(dest, p, p.order, journal, resuming)
+    try:
+        result = convert_samples(dest, p, p.order, journal, resuming)
+    except NothingPackedError:
+        if not resuming:
+            discard(dest, created)
+        raise
     manifest = make_manifest(p, result.count, result.extras, result.skipped, result.resumed, time.time() - started)
     try:
         write_manifest(dest, manifest)
@@ -192,6 +194,55 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
         raise _write_failed(dest, exc) from None
     (dest / MARKER).unlink()
     return manifest
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return os.path.lexists(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, for one: not a finished dataset; preparing DEST says why
+        return False
+
+
+def _finished(dest: Path, plan: _Plan, speak: bool) -> dict[str, Any]:
+    """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
+    options; a :class:`DestinationError` otherwise, as for an unfinished one."""
+    manifest = read_manifest(dest)
+    recorded = manifest.get("options")
+    wanted = {k: v for k, v in plan.options.items() if k != "world_size"}
+    if isinstance(recorded, dict):
+        recorded = {k: v for k, v in recorded.items() if k != "world_size"}
+    else:  # packed before the manifest recorded its options: compare what it does record
+        recorded = {"format": manifest.get("format"), "transform": manifest.get("transform"),
+                    "source": (manifest.get("source") or {}).get("root")}
+        wanted = {"format": plan.format, "transform": wanted["transform"],
+                  "source": plan.source.describe()["root"]}
+    changed = _differences(recorded, wanted)
+    if changed:
+        raise DestinationError(f"{dest}: is a finished dataset packed with a different {', '.join(changed)}; "
+                               "run with the same source and options, or start again with --overwrite")
+    if speak:
+        print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
+    return manifest
+
+
+def discard(dest: Path, created: bool) -> None:
+    """Remove what a conversion that packed nothing wrote into ``dest`` (emptied or created for it), so that
+    the same command can run again; ``created``: this run created ``dest`` itself."""
+    for entry in os.listdir(dest):
+        path = dest / entry
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if created:
+        dest.rmdir()
 
 
 @dataclass
@@ -309,7 +360,8 @@ def convert_samples(dest: Path, plan: _Plan, indices: list[int], journal: dict, 
         conversion.run(plan.workers)
         if writer.count == 0 and not allow_empty:
             where = plan.source.root if plan.source.kind == "folder" else plan.options["source"]
-            raise SourceError(f"{where}: none of the {len(indices)} images could be read; nothing was packed")
+            raise NothingPackedError(f"{where}: none of the {len(indices)} images could be read; nothing was "
+                                     "packed")
         extras = writer.close()
     except BaseException as exc:
         try:
@@ -338,6 +390,7 @@ def make_manifest(plan: _Plan, count: int, extras: dict[str, Any], skipped: list
         "skipped": [{"path": rel, "error": why} for rel, why in source.errors] + skipped,
         "hidden_skipped": source.hidden_skipped, "empty_classes": source.empty_classes,
         "conversion_seconds": round(seconds, 3), "resumed": resumed,
+        "options": plan.options,  # what --resume compares, once the dataset is finished
     }
 
 

@@ -7,7 +7,8 @@ It is plain JSON (nothing in it is evaluated). Top-level keys:
 :class:`packer.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
 (shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
 and sha256), ``shards`` (WebDataset: per-shard sample counts), ``skipped`` (unreadable files with their error),
-``hidden_skipped``, ``empty_classes`` and ``scan_errors``.
+``hidden_skipped``, ``empty_classes``, ``scan_errors`` and ``options`` (the source and options of the
+conversion, which ``--resume`` on a finished dataset compares).
 """
 
 from __future__ import annotations
