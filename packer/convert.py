@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
 from .sources import SampleReader, Source, open_source
 from .system import usable_cores
-from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, TransformSpec, parse_size
+from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE, TransformSpec, parse_size
 
 CHUNK = 16
 MARKER = JOURNAL
@@ -86,20 +88,46 @@ def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tu
 def make_spec(store: str | None = None, resize: int | str | None = None, max_size: int | None = None,
               center_crop: int | str | None = None, interpolation: str = "bilinear", quality: int = 90,
               mode: str | None = "RGB", exif_transpose: bool = False, normalize: bool = False,
-              mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+              mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
               dtype: str | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> TransformSpec:
-    """Fill in the defaults: ``original`` unless pixels change, ``jpeg`` when resizing, ``raw`` to normalize."""
-    crop = parse_size(center_crop)
+    """Fill in the defaults: ``original`` unless pixels change, ``jpeg`` when resizing, ``raw`` to normalize;
+    ImageNet's mean and std (their first value for mode L). Bad sizes and normalisation values are a
+    ValueError naming the option."""
+    crop = _size("--center-crop", center_crop)
     crop = (crop, crop) if isinstance(crop, int) else crop
     mode = mode or "RGB"
+    channels = 1 if mode == "L" else 3
+    mean = IMAGENET_MEAN[:channels] if mean is None else tuple(mean)
+    std = IMAGENET_STD[:channels] if std is None else tuple(std)
+    if normalize:
+        for name, values in (("--mean", mean), ("--std", std)):
+            if len(values) != channels:
+                raise ValueError(f"{name}: {len(values)} values, but mode {mode} has {channels} channel"
+                                 f"{'s' if channels > 1 else ''}; give one value per channel")
+            if not all(math.isfinite(v) for v in values) or (name == "--std" and min(values) <= 0):
+                raise ValueError(f"{name}: {','.join(map(str, values))} must be finite numbers"
+                                 f"{' above 0' if name == '--std' else ''}")
+    else:  # unused without normalize: recorded as the defaults, so that they change no manifest
+        mean, std = IMAGENET_MEAN, IMAGENET_STD
     changes = bool(resize or max_size or crop or mode != "RGB" or exif_transpose)
     if store is None:
         store = "raw" if normalize else ("jpeg" if changes else "original")
     if dtype is None:
         dtype = "float16" if normalize else "uint8"
-    return TransformSpec(store=store, resize=parse_size(resize), max_size=max_size, center_crop=crop,
+    for option, size in (("--resize", _size("--resize", resize)), ("--center-crop", crop)):
+        if isinstance(size, tuple) and (size[0] * size[1] > max_pixels or max(size) > MAX_SIDE):
+            raise ValueError(f"{option}: {size[0]}x{size[1]} is over the {max_pixels:,}-pixel limit (--max-pixels) "
+                             f"or a side of {MAX_SIDE}")
+    return TransformSpec(store=store, resize=_size("--resize", resize), max_size=max_size, center_crop=crop,
                          interpolation=interpolation, mode=mode, exif_transpose=exif_transpose, quality=quality,
                          normalize=normalize, mean=tuple(mean), std=tuple(std), dtype=dtype, max_pixels=max_pixels)
+
+
+def _size(option: str, value: int | str | None) -> int | tuple[int, int] | None:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
@@ -133,7 +161,7 @@ def _differences(old: dict, new: dict) -> list[str]:
 def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", *, store: str | None = None,
          resize: int | str | None = None, max_size: int | None = None, center_crop: int | str | None = None,
          interpolation: str = "bilinear", quality: int = 90, mode: str | None = None, exif_transpose: bool = False,
-         normalize: bool = False, mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+         normalize: bool = False, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
          dtype: str | None = None, workers: int | None = None, shuffle: bool | None = None, seed: int = 0,
          shard_size: int | None = None, shard_samples: int | None = None, strict: bool = False,
          overwrite: bool = False, resume: bool = False, include_hidden: bool = False,
@@ -493,6 +521,9 @@ class _Conversion:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
             pool.shutdown()
+        except BrokenProcessPool:
+            raise PackerError(f"{self.dest}: a conversion worker process died (killed, out of memory?); run the same "
+                              "command with --resume to continue, with fewer --workers if memory is short") from None
         except OSError as exc:
             raise PackerError(f"{self.dest}: write failed ({exc.strerror}); free space or fix permissions, then "
                               "run the same command with --resume") from None

@@ -23,9 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import DestinationError
-from .manifest import MANIFEST
+from .manifest import JOURNAL, MANIFEST
 
-JOURNAL = ".packer-in-progress"  # convert.MARKER: the progress record of an unfinished conversion
 PART_INFO = "part.json"  # distributed.PART_INFO: a finished rank's part
 PART_DIR = re.compile(r"part-\d{5}")
 LOADER = "loader.json"  # loader.TUNED, written by `packer bench --tune`
