@@ -160,7 +160,7 @@ def main() -> None:
               help="Continue an interrupted conversion into DEST (same SRC and options); exits 0 if finished.")
 @click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
 @click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
-              help="Refuse images with more pixels (decompression bombs).")
+              help="Skip images with more pixels, before or after the resize (decompression bombs).")
 @click.option("--label-key", default=None,
               help="WebDataset SRC: the member that holds the integer label: cls (default), txt, json:FIELD...")
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")

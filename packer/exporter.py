@@ -6,6 +6,12 @@ read the same labels back. What is written is the stored bytes: the original fil
 ``original`` (so export then pack gives byte-identical samples), the JPEG or PNG re-encodings otherwise (the
 extension changed to match where it did not), and for ``raw`` datasets a lossless PNG of the stored pixels
 (extension ``.png``). Every class gets its folder, even an empty one, so class indices survive the round trip.
+A renamed sample never takes the name of another (``x.jpg`` stored as PNG beside ``x.png`` becomes ``x.jpg.png``).
+
+OUT is written as a hidden sibling folder and renamed to OUT at the end, so a failed export leaves no
+half-written OUT. It may not be, hold or be inside the dataset or the folder it was packed from, and
+``overwrite`` replaces only a previous export: class folders holding nothing but image files
+(:func:`packer.dest.export_problems`).
 
 (The module is ``packer.exporter``, not ``packer.export``: a submodule of that name would shadow the
 ``packer.export`` function once imported.)
