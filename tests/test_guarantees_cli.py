@@ -372,7 +372,7 @@ def test_export_of_x_jpg_and_x_png_keeps_both(tmp_path, store):
     write_image(folder / "cat" / "x.png", 20, 20, seed=2)
     write_image(folder / "cat" / "x.jpg.png", 20, 20, seed=3)
     dest = tmp_path / "ds"
-    pack(folder, dest, store=store, resize=(16, 16))
+    pack(folder, dest, store=store, resize="16x16")
     out = tmp_path / "out"
     result = packer.export(dest, out, progress=False)
     assert result["count"] == 3
@@ -390,7 +390,7 @@ def test_export_of_x_jpg_and_x_png_keeps_both(tmp_path, store):
 
 def test_a_failed_export_leaves_no_out(src, tmp_path):
     dest = tmp_path / "ds"
-    pack(src, dest, "hdf5", store="png", resize=(16, 16))
+    pack(src, dest, "hdf5", store="png", resize="16x16")
     import h5py
 
     with h5py.File(dest / "data.h5", "r+") as f:  # damage the last sample: export fails after writing others
