@@ -13,7 +13,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import time
@@ -28,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .dest import JOURNAL, dataset_problems, prepare_output
+from .dest import JOURNAL, dataset_problems, empty_folder, is_regular_file, prepare_output
 from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
@@ -143,7 +142,7 @@ def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
 def read_journal(dest: Path) -> dict | None:
     """The progress record of an unfinished conversion in ``dest``, or None."""
     path = dest / MARKER
-    if not _is_file(path):
+    if not is_regular_file(path):
         return None
     try:
         journal = json.loads(path.read_text())
@@ -196,7 +195,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
             shard_samples=shard_samples, strict=strict, include_hidden=include_hidden, label_key=label_key,
             workers=workers, progress=progress, quiet=quiet)
 
-    if resume and _is_file(dest / MANIFEST):
+    if resume and is_regular_file(dest / MANIFEST):
         try:
             return _finished(dest, plan(quiet=context is not None and context.rank != 0),
                              speak=context is None or context.rank == 0)
@@ -231,13 +230,6 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:  # a name too long, for one: not a finished dataset; preparing DEST says why
-        return False
-
-
 def _finished(dest: Path, plan: _Plan, speak: bool) -> dict[str, Any]:
     """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
     options; a :class:`DestinationError` otherwise, as for an unfinished one."""
@@ -263,12 +255,7 @@ def _finished(dest: Path, plan: _Plan, speak: bool) -> dict[str, Any]:
 def discard(dest: Path, created: bool) -> None:
     """Remove what a conversion that packed nothing wrote into ``dest`` (emptied or created for it), so that
     the same command can run again; ``created``: this run created ``dest`` itself."""
-    for entry in os.listdir(dest):
-        path = dest / entry
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    empty_folder(dest)
     if created:
         dest.rmdir()
 

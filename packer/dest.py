@@ -31,7 +31,8 @@ LOADER = "loader.json"  # loader.TUNED, written by `packer bench --tune`
 SHOWN = 4  # unexpected entries named in a message before "and N more"
 
 
-def _is_file(path: Path) -> bool:
+def is_regular_file(path: Path) -> bool:
+    """A regular file, not a link to one; False where it cannot be told (a name too long, for one)."""
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
@@ -54,7 +55,7 @@ def _packer_file(name: str, extra: tuple[str, ...] = ()) -> bool:
 
 def _read_json(path: Path) -> object:
     try:
-        return json.loads(path.read_bytes()) if _is_file(path) else None
+        return json.loads(path.read_bytes()) if is_regular_file(path) else None
     except (OSError, ValueError, RecursionError):
         return None
 
@@ -79,7 +80,7 @@ def _unexpected_in(folder: Path, own: tuple[str, ...], parts: bool, prefix: str 
     unexpected = []
     for entry in sorted(os.listdir(folder)):
         path = folder / entry
-        if _is_file(path) and _packer_file(entry, own):
+        if is_regular_file(path) and _packer_file(entry, own):
             continue
         if parts and PART_DIR.fullmatch(entry) and _is_dir(path):
             unexpected += _unexpected_in(path, PART_OWN, False, prefix=entry + "/")
@@ -126,7 +127,7 @@ def export_problems(out: Path, images: Callable[[str], bool]) -> list[str]:
                 if not _is_dir(Path(dirpath) / name):  # a link to a folder: not something export writes
                     unexpected.append(f"{rel}/{name}")
             unexpected += [f"{rel}/{n}" for n in sorted(filenames)
-                           if not (images(n) and _is_file(Path(dirpath) / n))]
+                           if not (images(n) and is_regular_file(Path(dirpath) / n))]
     return [f"it holds {name_some(unexpected)}, which export does not write"] if unexpected else []
 
 
@@ -183,10 +184,16 @@ def _check(path: Path, overwrite: bool, problems: Callable[[Path], list[str]], w
 
 def _prepare(path: Path, overwrite: bool, problems: Callable[[Path], list[str]], what: str) -> None:
     if _check(path, overwrite, problems, what):
-        for entry in os.listdir(path):  # empty it, keeping the folder itself (its permissions, a mount point)
-            child = path / entry
-            if _is_dir(child):
-                shutil.rmtree(child)
-            else:
-                child.unlink()
+        empty_folder(path)
     path.mkdir(parents=True, exist_ok=True)
+
+
+def empty_folder(path: Path) -> None:
+    """Delete what ``path`` holds (links themselves, never what they point to), keeping the folder itself: its
+    permissions, or a mount point."""
+    for entry in os.listdir(path):
+        child = path / entry
+        if _is_dir(child):
+            shutil.rmtree(child)
+        else:
+            child.unlink()
