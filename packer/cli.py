@@ -17,7 +17,7 @@ import click
 
 from . import __version__
 from .errors import ManifestError, PackerError
-from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES
+from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES, parse_size
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -29,7 +29,10 @@ def parse_bytes(text: str | None) -> int | None:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise click.BadParameter(f"{text!r} is not a size like 256MB")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    if size < 1:
+        raise click.BadParameter(f"{text!r} is not a positive size; give one like 256MB")
+    return size
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -37,6 +40,62 @@ def floats(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+class ImageSize(click.ParamType):
+    """N or WxH, checked by :func:`parse_size`, so that a bad value names its option."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ByteSize(click.ParamType):
+    """A positive number of bytes such as 256MB."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, int) else parse_bytes(value)
+
+
+def one_line(exc: click.ClickException) -> str:
+    """A click error as one line: the option it is about, what is wrong, and where to read more."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    if isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter) and exc.param:
+        param = exc.param
+        name = "/".join(param.opts) if isinstance(param, click.Option) else param.human_readable_name
+        message = f"{name}: {' '.join(exc.message.split()).rstrip('.')}"
+    ctx = getattr(exc, "ctx", None)
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return f"{message} (see `packer {' '.join([*reversed(names), '--help']) if names else '--help'}`)"
+
+
+class PackerGroup(click.Group):
+    """Prints click's own usage errors as one line, as packer's errors are; exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # plain `packer`: the help, as asked
+            click.echo(exc.ctx.get_help())
+            code = 0
+        except click.ClickException as exc:
+            click.echo(f"packer: error: {one_line(exc)}", err=True)
+            code = exc.exit_code
+        except click.exceptions.Abort:
+            click.echo("packer: interrupted", err=True)
+            code = 130
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 def handle_errors(fn):
@@ -60,7 +119,7 @@ def handle_errors(fn):
     return wrapper
 
 
-@click.group()
+@click.group(cls=PackerGroup)
 @click.version_option(__version__, prog_name="packer")
 def main() -> None:
     """Pack an image folder into LMDB, HDF5 or WebDataset shards, read it back fast, and measure it."""
@@ -74,24 +133,26 @@ def main() -> None:
 @click.option("--store", type=click.Choice(STORES), default=None,
               help="original: the file's bytes (default without resize/crop); jpeg: re-encode (default when "
                    "resizing); png: lossless; raw: decoded uint8 pixels, the fastest to load.")
-@click.option("--resize", default=None, help="N: shorter side to N (aspect kept); WxH: exact size.")
+@click.option("--resize", type=ImageSize(), default=None, help="N: shorter side to N (aspect kept); WxH: exact size.")
 @click.option("--max-size", type=click.IntRange(1), default=None, help="Cap the longer side at N; never upscales.")
-@click.option("--center-crop", default=None, help="N or WxH: crop the centre after the resize.")
+@click.option("--center-crop", type=ImageSize(), default=None, help="N or WxH: crop the centre after the resize.")
 @click.option("--interpolation", type=click.Choice(list(INTERPOLATIONS)), default="bilinear", show_default=True)
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality.")
 @click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
               help="RGB as ImageFolder (the default), or L to keep one channel; a packed SRC keeps its own mode.")
 @click.option("--exif-transpose", is_flag=True, help="Apply the EXIF orientation (ImageFolder does not).")
 @click.option("--normalize", is_flag=True, help="Store (x/255 - mean)/std as float arrays (store raw).")
-@click.option("--mean", type=floats, default="0.485,0.456,0.406", show_default=True)
-@click.option("--std", type=floats, default="0.229,0.224,0.225", show_default=True)
+@click.option("--mean", type=floats, default=None,
+              help="With --normalize: one value per channel [default: 0.485,0.456,0.406; 0.485 for --mode L].")
+@click.option("--std", type=floats, default=None,
+              help="With --normalize: one positive value per channel [default: 0.229,0.224,0.225; 0.229 for L].")
 @click.option("--dtype", type=click.Choice(["float16", "float32"]), default=None,
               help="Dtype of normalized arrays (default float16).")
 @click.option("--workers", type=click.IntRange(1), default=None, help="Worker processes (default: all cores).")
 @click.option("--shuffle/--no-shuffle", default=None,
               help="Shuffle the sample order (default: on for wds, off for lmdb and hdf5).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--shard-size", default=None, help="WebDataset: bytes per shard at most, e.g. 256MB.")
+@click.option("--shard-size", type=ByteSize(), default=None, help="WebDataset: bytes per shard at most, e.g. 256MB.")
 @click.option("--shard-samples", type=click.IntRange(1), default=None, help="WebDataset: samples per shard.")
 @click.option("--strict", is_flag=True, help="Stop at the first unreadable image instead of skipping it.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing packer dataset at DEST.")
@@ -99,7 +160,7 @@ def main() -> None:
               help="Continue an interrupted conversion into DEST (same SRC and options); exits 0 if finished.")
 @click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
 @click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
-              help="Refuse images with more pixels (decompression bombs).")
+              help="Skip images with more pixels, before or after the resize (decompression bombs).")
 @click.option("--label-key", default=None,
               help="WebDataset SRC: the member that holds the integer label: cls (default), txt, json:FIELD...")
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
@@ -118,7 +179,7 @@ def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation
     manifest = run_pack(src, dest, format_, store=store, resize=resize, max_size=max_size, center_crop=center_crop,
                         interpolation=interpolation, quality=quality, mode=mode, exif_transpose=exif_transpose,
                         normalize=normalize, mean=mean, std=std, dtype=dtype, workers=workers, shuffle=shuffle,
-                        seed=seed, shard_size=parse_bytes(shard_size), shard_samples=shard_samples,
+                        seed=seed, shard_size=shard_size, shard_samples=shard_samples,
                         strict=strict, overwrite=overwrite, resume=resume, include_hidden=include_hidden,
                         max_pixels=max_pixels, label_key=label_key, progress=not quiet)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank

@@ -11,14 +11,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,15 +28,16 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
-from .errors import DestinationError, ImageError, PackerError, SourceError, warn
+from .dest import JOURNAL, dataset_problems, empty_folder, is_regular_file, prepare_output
+from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
 from .sources import SampleReader, Source, open_source
 from .system import usable_cores
-from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, TransformSpec, parse_size
+from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE, TransformSpec, parse_size
 
 CHUNK = 16
-MARKER = ".packer-in-progress"
+MARKER = JOURNAL
 
 
 def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
@@ -86,20 +88,46 @@ def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tu
 def make_spec(store: str | None = None, resize: int | str | None = None, max_size: int | None = None,
               center_crop: int | str | None = None, interpolation: str = "bilinear", quality: int = 90,
               mode: str | None = "RGB", exif_transpose: bool = False, normalize: bool = False,
-              mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+              mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
               dtype: str | None = None, max_pixels: int = DEFAULT_MAX_PIXELS) -> TransformSpec:
-    """Fill in the defaults: ``original`` unless pixels change, ``jpeg`` when resizing, ``raw`` to normalize."""
-    crop = parse_size(center_crop)
+    """Fill in the defaults: ``original`` unless pixels change, ``jpeg`` when resizing, ``raw`` to normalize;
+    ImageNet's mean and std (their first value for mode L). Bad sizes and normalisation values are a
+    ValueError naming the option."""
+    crop = _size("--center-crop", center_crop)
     crop = (crop, crop) if isinstance(crop, int) else crop
     mode = mode or "RGB"
+    channels = 1 if mode == "L" else 3
+    mean = IMAGENET_MEAN[:channels] if mean is None else tuple(mean)
+    std = IMAGENET_STD[:channels] if std is None else tuple(std)
+    if normalize:
+        for name, values in (("--mean", mean), ("--std", std)):
+            if len(values) != channels:
+                raise ValueError(f"{name}: {len(values)} values, but mode {mode} has {channels} channel"
+                                 f"{'s' if channels > 1 else ''}; give one value per channel")
+            if not all(math.isfinite(v) for v in values) or (name == "--std" and min(values) <= 0):
+                raise ValueError(f"{name}: {','.join(map(str, values))} must be finite numbers"
+                                 f"{' above 0' if name == '--std' else ''}")
+    else:  # unused without normalize: recorded as the defaults, so that they change no manifest
+        mean, std = IMAGENET_MEAN, IMAGENET_STD
     changes = bool(resize or max_size or crop or mode != "RGB" or exif_transpose)
     if store is None:
         store = "raw" if normalize else ("jpeg" if changes else "original")
     if dtype is None:
         dtype = "float16" if normalize else "uint8"
-    return TransformSpec(store=store, resize=parse_size(resize), max_size=max_size, center_crop=crop,
+    for option, size in (("--resize", _size("--resize", resize)), ("--center-crop", crop)):
+        if isinstance(size, tuple) and (size[0] * size[1] > max_pixels or max(size) > MAX_SIDE):
+            raise ValueError(f"{option}: {size[0]}x{size[1]} is over the {max_pixels:,}-pixel limit (--max-pixels) "
+                             f"or a side of {MAX_SIDE}")
+    return TransformSpec(store=store, resize=_size("--resize", resize), max_size=max_size, center_crop=crop,
                          interpolation=interpolation, mode=mode, exif_transpose=exif_transpose, quality=quality,
                          normalize=normalize, mean=tuple(mean), std=tuple(std), dtype=dtype, max_pixels=max_pixels)
+
+
+def _size(option: str, value: int | str | None) -> int | tuple[int, int] | None:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
@@ -109,22 +137,13 @@ def _prepare_dest(dest: Path, src: Path, overwrite: bool) -> None:
     if dest_r.is_relative_to(src_r):
         raise DestinationError(f"{dest}: the destination is inside the source folder {src}, so packing would change "
                                "the source; choose a folder outside it")
-    if dest.exists() and not dest.is_dir():
-        raise DestinationError(f"{dest}: exists and is not a folder; choose another destination")
-    if dest.exists() and any(dest.iterdir()):
-        if not overwrite:
-            raise DestinationError(f"{dest}: already exists and is not empty; pass --overwrite to replace it")
-        if not ((dest / MANIFEST).exists() or (dest / MARKER).exists()):
-            raise DestinationError(f"{dest}: is not a packer dataset, so --overwrite will not delete it; "
-                                   "choose an empty or new folder")
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    prepare_output(dest, overwrite, dataset_problems, "packer dataset")
 
 
 def read_journal(dest: Path) -> dict | None:
     """The progress record of an unfinished conversion in ``dest``, or None."""
     path = dest / MARKER
-    if not path.exists():
+    if not is_regular_file(path):
         return None
     try:
         journal = json.loads(path.read_text())
@@ -142,7 +161,7 @@ def _differences(old: dict, new: dict) -> list[str]:
 def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", *, store: str | None = None,
          resize: int | str | None = None, max_size: int | None = None, center_crop: int | str | None = None,
          interpolation: str = "bilinear", quality: int = 90, mode: str | None = None, exif_transpose: bool = False,
-         normalize: bool = False, mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+         normalize: bool = False, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
          dtype: str | None = None, workers: int | None = None, shuffle: bool | None = None, seed: int = 0,
          shard_size: int | None = None, shard_samples: int | None = None, strict: bool = False,
          overwrite: bool = False, resume: bool = False, include_hidden: bool = False,
@@ -164,13 +183,10 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
 
     dest = Path(dest)
     writer_cls, _ = get_format(format)
+    for name, value in (("shard_size", shard_size), ("shard_samples", shard_samples)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--{name.replace('_', '-')}: {value!r} is not a positive number")
     context = detect(distributed)
-    if resume and (dest / MANIFEST).exists():
-        if context is None or context.rank == 0:
-            print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
-        if context is not None:
-            context.close()
-        return read_manifest(dest)
 
     def plan(quiet: bool = False) -> _Plan:
         return _plan(src, format, writer_cls, dict(
@@ -180,12 +196,25 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
             shard_samples=shard_samples, strict=strict, include_hidden=include_hidden, label_key=label_key,
             workers=workers, progress=progress, quiet=quiet)
 
+    if resume and is_regular_file(dest / MANIFEST):
+        try:
+            return _finished(dest, plan(quiet=context is not None and context.rank != 0),
+                             speak=context is None or context.rank == 0)
+        finally:
+            if context is not None:
+                context.close()
     if context is not None:
         return pack_distributed(context, plan, dest, resume=resume, overwrite=overwrite)
     p = plan()
+    created = not _exists(dest)
     journal, resuming = open_journal(dest, p, resume, overwrite)
     started = time.time()
-    result = convert_samples(dest, p, p.order, journal, resuming)
+    try:
+        result = convert_samples(dest, p, p.order, journal, resuming)
+    except NothingPackedError:
+        if not resuming:
+            discard(dest, created)
+        raise
     manifest = make_manifest(p, result.count, result.extras, result.skipped, result.resumed, time.time() - started)
     try:
         write_manifest(dest, manifest)
@@ -193,6 +222,43 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
         raise _write_failed(dest, exc) from None
     (dest / MARKER).unlink()
     return manifest
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return os.path.lexists(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _finished(dest: Path, plan: _Plan, speak: bool) -> dict[str, Any]:
+    """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
+    options; a :class:`DestinationError` otherwise, as for an unfinished one."""
+    manifest = read_manifest(dest)
+    recorded = manifest.get("options")
+    wanted = {k: v for k, v in plan.options.items() if k != "world_size"}
+    if isinstance(recorded, dict):
+        recorded = {k: v for k, v in recorded.items() if k != "world_size"}
+    else:  # packed before the manifest recorded its options: compare what it does record
+        recorded = {"format": manifest.get("format"), "transform": manifest.get("transform"),
+                    "source": (manifest.get("source") or {}).get("root")}
+        wanted = {"format": plan.format, "transform": wanted["transform"],
+                  "source": plan.source.describe()["root"]}
+    changed = _differences(recorded, wanted)
+    if changed:
+        raise DestinationError(f"{dest}: is a finished dataset packed with a different {', '.join(changed)}; "
+                               "run with the same source and options, or start again with --overwrite")
+    if speak:
+        print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
+    return manifest
+
+
+def discard(dest: Path, created: bool) -> None:
+    """Remove what a conversion that packed nothing wrote into ``dest`` (emptied or created for it), so that
+    the same command can run again; ``created``: this run created ``dest`` itself."""
+    empty_folder(dest)
+    if created:
+        dest.rmdir()
 
 
 @dataclass
@@ -310,7 +376,8 @@ def convert_samples(dest: Path, plan: _Plan, indices: list[int], journal: dict, 
         conversion.run(plan.workers)
         if writer.count == 0 and not allow_empty:
             where = plan.source.root if plan.source.kind == "folder" else plan.options["source"]
-            raise SourceError(f"{where}: none of the {len(indices)} images could be read; nothing was packed")
+            raise NothingPackedError(f"{where}: none of the {len(indices)} images could be read; nothing was "
+                                     "packed")
         extras = writer.close()
     except BaseException as exc:
         try:
@@ -339,6 +406,7 @@ def make_manifest(plan: _Plan, count: int, extras: dict[str, Any], skipped: list
         "skipped": [{"path": rel, "error": why} for rel, why in source.errors] + skipped,
         "hidden_skipped": source.hidden_skipped, "empty_classes": source.empty_classes,
         "conversion_seconds": round(seconds, 3), "resumed": resumed,
+        "options": plan.options,  # what --resume compares, once the dataset is finished
     }
 
 
@@ -454,6 +522,9 @@ class _Conversion:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
             pool.shutdown()
+        except BrokenProcessPool:
+            raise PackerError(f"{self.dest}: a conversion worker process died (killed, out of memory?); run the same "
+                              "command with --resume to continue, with fewer --workers if memory is short") from None
         except OSError as exc:
             raise _write_failed(self.dest, exc) from None
         finally:

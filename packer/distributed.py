@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -33,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DestinationError, PackerError, SourceError
+from .dest import PART_INFO, part_problems, prepare_output
+from .errors import DestinationError, NothingPackedError, PackerError, SourceError
 from .manifest import read_manifest, write_json_atomic, write_manifest
 
 PART = "part-{:05d}"
-PART_INFO = "part.json"
 TIMEOUT_ENV = "PACKER_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
 ALIVE_EVERY = 2.0  # seconds between a rank's liveness updates (and its checks for other ranks' failures)
@@ -286,7 +285,12 @@ def _run(ctx: Context, make_plan: Callable[..., Any], dest: Path, resume: bool, 
         ctx._store_call(lambda: ctx.set(f"exit/{ctx.rank}", "1"), "finishing")
         return read_manifest(dest)
     ctx.wait_ranks("done", "every rank to finish its part")
-    manifest = _merge(plan, dest, ranges, started)
+    try:
+        manifest = _merge(plan, dest, ranges, started)
+    except NothingPackedError:
+        if not resuming:  # every rank is done with DEST: leave nothing that blocks the same command
+            convert.discard(dest, created=False)
+        raise
     try:
         write_manifest(dest, manifest)
     except OSError as exc:
@@ -332,9 +336,8 @@ def _convert_part(ctx: Context, plan, dest: Path, a: int, b: int, resuming: bool
                                    "resume with the same source, options and number of ranks, or start again with "
                                    "--overwrite")
     else:
-        if part.exists():  # a part that never recorded progress: nothing in it to keep (DEST is a packer dataset)
-            shutil.rmtree(part)
-        part.mkdir(parents=True)
+        # a part that never recorded progress: nothing in it to keep, but only packer's files are deleted
+        prepare_output(part, True, part_problems, "packer part folder")
         journal = {"options": options, "position": 0, "skipped": [], "writer": None}
         write_json_atomic(part / convert.MARKER, journal)
     started = time.time()
@@ -374,8 +377,8 @@ def _merge(plan, dest: Path, ranges: list[tuple[int, int]], started: float) -> d
                 extras.setdefault(key, []).extend({**e, "path": f"{prefix}/{e['path']}"} for e in info[key])
     count = sum(int(info["count"]) for info in infos)
     if count == 0:
-        raise SourceError(f"{plan.options['source']}: none of the {len(plan.order)} images could be read; nothing "
-                          "was packed")
+        raise NothingPackedError(f"{plan.options['source']}: none of the {len(plan.order)} images could be read; "
+                                 "nothing was packed")
     skipped = [e for info in infos for e in info["skipped"]]
     manifest = convert.make_manifest(plan, count, extras, skipped, any(i["resumed"] for i in infos),
                                      time.time() - started)

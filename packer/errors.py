@@ -24,6 +24,10 @@ class SourceError(PackerError):
     exit_code = 2
 
 
+class NothingPackedError(SourceError):
+    """Not one source image could be read, so there is no dataset to write."""
+
+
 class ImageError(PackerError):
     """One source image could not be read or decoded."""
 

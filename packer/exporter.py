@@ -6,6 +6,12 @@ read the same labels back. What is written is the stored bytes: the original fil
 ``original`` (so export then pack gives byte-identical samples), the JPEG or PNG re-encodings otherwise (the
 extension changed to match where it did not), and for ``raw`` datasets a lossless PNG of the stored pixels
 (extension ``.png``). Every class gets its folder, even an empty one, so class indices survive the round trip.
+A renamed sample never takes the name of another (``x.jpg`` stored as PNG beside ``x.png`` becomes ``x.jpg.png``).
+
+OUT is written as a hidden sibling folder and renamed to OUT at the end, so a failed export leaves no
+half-written OUT. It may not be, hold or be inside the dataset or the folder it was packed from, and
+``overwrite`` replaces only a previous export: class folders holding nothing but image files
+(:func:`packer.dest.export_problems`).
 
 (The module is ``packer.exporter``, not ``packer.export``: a submodule of that name would shadow the
 ``packer.export`` function once imported.)
@@ -13,8 +19,10 @@ extension changed to match where it did not), and for ``raw`` datasets a lossles
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -23,6 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from .dest import check_output, export_problems, prepare_output
 from .errors import CorruptDataError, DestinationError, PackerError
 from .scan import is_image_file
 from .system import usable_cores
@@ -40,22 +49,33 @@ def _safe_relpath(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and all(_safe_component(p) for p in parts)
 
 
-def _prepare_out(out: Path, dest: Path, overwrite: bool) -> None:
-    out_r, dest_r = out.resolve(), dest.resolve()
-    if out_r == dest_r or out_r.is_relative_to(dest_r) or dest_r.is_relative_to(out_r):
-        raise DestinationError(f"{out}: must not contain, or be inside, the dataset {dest}; choose another folder")
-    if out.exists() and not out.is_dir():
-        raise DestinationError(f"{out}: exists and is not a folder; choose another destination")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise DestinationError(f"{out}: already exists and is not empty; pass --overwrite to replace it")
-        for dirpath, _, filenames in os.walk(out):
-            top = Path(dirpath) == out
-            if any(top or not is_image_file(name) for name in filenames):
-                raise DestinationError(f"{out}: is not an image folder (it holds other files), so --overwrite will "
-                                       "not delete it; choose an empty or new folder")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+def _check_out(out: Path, dest: Path, manifest: dict, overwrite: bool) -> None:
+    """Refuse an OUT that export must not write: inside or around the dataset or its source folder, a link, or
+    (with ``overwrite``) a folder holding anything but what export writes. Deletes nothing."""
+    out_r = out.resolve()
+    for folder, what in ((dest, "the dataset"), (_source_root(manifest), "the dataset's source folder")):
+        if folder is None:
+            continue
+        folder_r = folder.resolve()
+        if out_r == folder_r or out_r.is_relative_to(folder_r) or folder_r.is_relative_to(out_r):
+            raise DestinationError(f"{out}: must not contain, or be inside, {what} {folder}; choose another "
+                                   "folder")
+    if out.is_symlink():
+        raise DestinationError(f"{out}: is a symbolic link; give the real folder, or a new one")
+    check_output(out, overwrite, lambda path: export_problems(path, is_image_file), "previous export")
+
+
+def _source_root(manifest: dict) -> Path | None:
+    root = (manifest.get("source") or {}).get("root") if isinstance(manifest.get("source"), dict) else None
+    return Path(root) if isinstance(root, str) and root else None
+
+
+def _unused_name(target: str, suffix: str, taken) -> str:
+    """A name for ``target`` re-encoded as ``suffix`` that no other sample uses: ``x.png``, else ``x.jpg.png``,
+    else ``x.jpg-2.png``..."""
+    candidates = itertools.chain([str(PurePosixPath(target).with_suffix(suffix)), target + suffix],
+                                 (f"{target}-{k}{suffix}" for k in itertools.count(2)))
+    return next(c for c in candidates if not taken(c))
 
 
 def _write(path: Path, data: bytes | np.ndarray) -> None:
@@ -84,18 +104,32 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     for name in classes:
         if not _safe_component(name):
             raise CorruptDataError(f"{dest}: class name {name!r} cannot be a folder name; refusing to export")
-    _prepare_out(out, dest, overwrite)
-    for name in classes:
-        (out / name).mkdir(exist_ok=True)
+    _check_out(out, dest, ds.manifest, overwrite)
+    relpaths = [ds.relpath(i) for i in range(len(ds))]
+    kept = set(relpaths)  # the names samples keep: a renamed one must not take one of them
+    class_names = set(classes)
+
+    def taken(name: str) -> bool:
+        head, _, rest = name.partition("/")
+        return name in written or name in kept or (head in class_names and rest in kept)
+
     workers = workers or usable_cores()
     written: set[str] = set()
     renamed = 0
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # written beside OUT and renamed to it at the end: a failure never leaves a half-written OUT
+        partial = Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent))
+    except OSError as exc:
+        raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
+                               "destination") from None
     bar = tqdm(total=len(ds), unit="img", disable=not progress, desc=f"exporting {ds.format}", dynamic_ncols=True)
     try:
+        for name in classes:
+            (partial / name).mkdir(exist_ok=True)
         with ThreadPoolExecutor(workers, thread_name_prefix="packer-export") as pool:
             pending: deque = deque()
-            for i in range(len(ds)):
-                rel = ds.relpath(i)
+            for i, rel in enumerate(relpaths):
                 data, label = ds.raw_sample(i)  # read in this thread: format handles are not shared across threads
                 if not 0 <= label < len(classes):
                     raise CorruptDataError(f"{ds._describe(i)}: label {label} is not a class index; "
@@ -106,23 +140,25 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
                 target = rel if rel.split("/", 1)[0] == classes[label] and "/" in rel else f"{classes[label]}/{rel}"
                 allowed = SUFFIXES.get(store)
                 if allowed and PurePosixPath(target).suffix.lower() not in allowed:
-                    changed = str(PurePosixPath(target).with_suffix(allowed[0]))
-                    target = changed if changed not in written else target + allowed[0]
+                    target = _unused_name(target, allowed[0], taken)
                     renamed += 1
                 if target in written:
                     raise PackerError(f"{ds._describe(i)}: two samples would be written to {out / target}; the "
                                       "dataset holds the same relative path twice")
                 written.add(target)
-                pending.append(pool.submit(_write, out / target, data))
+                pending.append(pool.submit(_write, partial / target, data))
                 if len(pending) >= 4 * workers:
                     pending.popleft().result()
                     bar.update()
             while pending:
                 pending.popleft().result()
                 bar.update()
+        prepare_output(out, overwrite, lambda path: export_problems(path, is_image_file), "previous export")
+        os.replace(partial, out)  # onto the empty OUT
     except OSError as exc:
         raise PackerError(f"{out}: write failed ({exc.strerror or exc}); free space or fix permissions, then export "
-                          "again with --overwrite") from None
+                          "again") from None
     finally:
         bar.close()
+        shutil.rmtree(partial, ignore_errors=True)  # gone already when the export succeeded
     return {"out": str(out), "count": len(ds), "classes": len(classes), "renamed": renamed}

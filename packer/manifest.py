@@ -7,7 +7,8 @@ It is plain JSON (nothing in it is evaluated). Top-level keys:
 :class:`packer.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
 (shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
 and sha256), ``shards`` (WebDataset: per-shard sample counts), ``skipped`` (unreadable files with their error),
-``hidden_skipped``, ``empty_classes`` and ``scan_errors``.
+``hidden_skipped``, ``empty_classes``, ``scan_errors`` and ``options`` (the source and options of the
+conversion, which ``--resume`` on a finished dataset compares).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from .errors import IncompleteDatasetError, ManifestError
 
 MANIFEST = "manifest.json"
+JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
 FORMAT_VERSION = 1
 REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,
             "transform": dict, "files": list}
@@ -104,6 +106,16 @@ def _is_safe_relpath(name: str) -> bool:
     return bool(name) and not name.startswith("/") and ".." not in parts and "\\" not in name
 
 
+def _holds_images(folder: Path) -> bool:
+    """Whether a class folder of ``folder`` holds an image file: an image folder, not a dataset."""
+    from .scan import is_image_file
+
+    for dirpath, _, filenames in os.walk(folder):
+        if dirpath != str(folder) and any(is_image_file(name) for name in filenames):
+            return True
+    return False
+
+
 def read_manifest(dest: str | os.PathLike) -> dict:
     """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish."""
     dest = Path(dest)
@@ -111,6 +123,9 @@ def read_manifest(dest: str | os.PathLike) -> dict:
     if not dest.is_dir():
         raise IncompleteDatasetError(f"{dest}: no such dataset folder; pack one with `packer pack SRC {dest}`")
     if not path.exists():
+        if not (dest / JOURNAL).exists() and _holds_images(dest):
+            raise IncompleteDatasetError(f"{dest}: is an image folder, not a packed dataset (no {MANIFEST}); pack it "
+                                         f"with `packer pack {dest} DEST --format lmdb`")
         raise IncompleteDatasetError(
             f"{dest}: no {MANIFEST}, so its conversion did not finish; run the same `packer pack` command with "
             "--resume to finish it, or with --overwrite to start again")

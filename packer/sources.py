@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from .dest import JOURNAL as IN_PROGRESS
 from .errors import ImageError, PackerError, SourceError
 from .manifest import MANIFEST
 from .scan import scan_folder
 from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert_bytes, convert_file
-
-IN_PROGRESS = ".packer-in-progress"  # convert.MARKER; not imported, convert imports this module
 
 
 class SampleReader:

@@ -16,8 +16,10 @@ fast; every other image goes through Pillow.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import re
 import stat
 import threading
 import zlib
@@ -127,7 +129,12 @@ class Encoded:
 
 def parse_size(text: str | int | None) -> int | Size | None:
     """``"256"`` -> 256; ``"320x240"`` -> (320, 240) as (width, height)."""
-    if text is None or isinstance(text, int):
+    if text is None:
+        return None
+    if isinstance(text, (int, tuple)) and not isinstance(text, bool):  # already parsed (or given in Python)
+        values = text if isinstance(text, tuple) else (text,)
+        if len(values) not in (1, 2) or not all(isinstance(v, int) and v >= 1 for v in values):
+            raise ValueError(f"{text} is not a size: give a positive N, or WxH such as 320x240")
         return text
     text = str(text).lower().strip()
     try:
@@ -248,8 +255,12 @@ def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
         raise
     except Image.DecompressionBombError as exc:
         raise ImageError(name, f"{exc}; raise --max-pixels if the image is genuine") from None
+    except Image.UnidentifiedImageError:  # its message holds the address of a buffer, different every run
+        raise ImageError(name, "cannot decode image (not an image format Pillow knows, or damaged); remove or "
+                               "replace the file") from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...) for bad files
-        raise ImageError(name, f"cannot decode image ({exc}); remove or replace the file") from None
+        reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the image", str(exc))  # no addresses: messages repeat
+        raise ImageError(name, f"cannot decode image ({reason}); remove or replace the file") from None
     return img
 
 
@@ -307,8 +318,11 @@ def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ImageError(name, "not a regular file (a folder, pipe or device); remove it")
             data = f.read()
+    except FileNotFoundError:
+        raise ImageError(name, "deleted or moved while packing (no such file); restore it, or pack again") from None
     except OSError as exc:
-        raise ImageError(name, f"cannot read file: {exc.strerror}; check its permissions") from None
+        advice = "check its permissions" if exc.errno in (errno.EACCES, errno.EPERM) else "check the file"
+        raise ImageError(name, f"cannot read file: {exc.strerror}; {advice}") from None
     encoded = convert_bytes(data, name, spec)
     if max(encoded.shape[:2]) > MAX_SIDE:  # every format records each side in 16 bits
         raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels, which "
@@ -325,7 +339,7 @@ def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
     img = open_image(data, name, spec.max_pixels)
     if spec.exif_transpose:
         img = ImageOps.exif_transpose(img)
-    return encode_image(img, spec)
+    return encode_image(img, spec, name)
 
 
 def convert_array(array: np.ndarray, name: str, spec: TransformSpec) -> Encoded:
@@ -336,11 +350,22 @@ def convert_array(array: np.ndarray, name: str, spec: TransformSpec) -> Encoded:
                                "--store raw, png or jpeg")
     if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] not in (1, 3):
         raise ImageError(name, f"is a {array.dtype} array of shape {array.shape}, not (H, W, 1 or 3) uint8 pixels")
-    return encode_image(to_pil(array), spec)
+    return encode_image(to_pil(array), spec, name)
 
 
-def encode_image(img: Image.Image, spec: TransformSpec) -> Encoded:
-    """Convert to ``spec.mode``, apply the geometry, and encode as ``spec.store`` (jpeg, png or raw)."""
+def check_output_size(width: int, height: int, spec: TransformSpec, name: str) -> None:
+    """Refuse, before resizing, an image whose resized size is over ``spec.max_pixels`` or a side of
+    ``MAX_SIDE``: a 1x20000 strip resized to 256 would need gigabytes."""
+    out_w, out_h = output_size(width, height, spec.resize, spec.max_size)
+    if out_w * out_h > spec.max_pixels or max(out_w, out_h) > MAX_SIDE:
+        raise ImageError(name, f"{width}x{height} resizes to {out_w}x{out_h}, over the {spec.max_pixels:,}-pixel "
+                               f"limit or a side of {MAX_SIDE}; crop or remove it, or raise --max-pixels")
+
+
+def encode_image(img: Image.Image, spec: TransformSpec, name: str = "<image>") -> Encoded:
+    """Convert to ``spec.mode``, apply the geometry, and encode as ``spec.store`` (jpeg, png or raw); ``name``
+    names the image in errors."""
+    check_output_size(img.width, img.height, spec, name)
     img = apply_geometry(img.convert(spec.mode), spec.resize, spec.max_size, spec.center_crop, spec.interpolation)
     shape = (img.height, img.width, spec.channels)
     if spec.store == "raw":

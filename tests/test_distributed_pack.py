@@ -215,3 +215,18 @@ def test_failing_rank_fails_the_run_then_resume_finishes(tmp_path):
     packer.pack(src, reference, "lmdb", workers=1, progress=False, distributed=False)
     assert_same(dest, reference)
     assert packer.open_dataset(dest).relpath(96) == BROKEN
+
+
+def test_distributed_overwrite_deletes_only_what_packer_wrote(source, tmp_path):
+    """Rank 0 prepares DEST with the same rule as a single process: a folder that is not a packer dataset is
+    refused with one line, and nothing in it is deleted."""
+    dest = tmp_path / "app"
+    dest.mkdir()
+    (dest / "manifest.json").write_text('{"name": "my web app"}\n')
+    (dest / "thesis.txt").write_text("precious\n")
+    result, _ = torchrun("pack", source, dest, "--format", "lmdb", "--overwrite", "--quiet")
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("packer: error:")]
+    assert errors and "not a packer dataset" in errors[0] and "thesis.txt" in errors[0], result.stderr[-3000:]
+    assert sorted(os.listdir(dest)) == ["manifest.json", "thesis.txt"]
+    assert (dest / "thesis.txt").read_text() == "precious\n"

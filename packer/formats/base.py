@@ -40,6 +40,9 @@ class Writer(ABC):
 
     format: ClassVar[str]
     RESUMES_FROM: ClassVar[str] = "nothing"  # what an interrupted conversion keeps, for messages
+    # fnmatch patterns of every file the writer leaves in DEST, finished or interrupted: --overwrite deletes
+    # only these (and packer's own manifest, journal and loader.json)
+    FILES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, dest: Path, spec: TransformSpec, expected_count: int, options: dict[str, Any]):
         self.dest = dest
@@ -361,6 +364,12 @@ def get_format(name: str) -> tuple[type[Writer], type[PackedDataset]]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown format {name!r}; choose one of {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def writer_files() -> tuple[str, ...]:
+    """The file-name patterns (fnmatch) that any format's writer leaves in DEST."""
+    get_format(format_names()[0])  # registers every format
+    return tuple(pattern for writer, _ in _REGISTRY.values() for pattern in writer.FILES)
 
 
 def format_names() -> list[str]:

@@ -32,6 +32,7 @@ COPY_BYTES = 64 << 20
 
 class Hdf5Writer(Writer):
     RESUMES_FROM = "nothing: it writes its file whole at the end"
+    FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp")
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
         self.blob_path = dest / (FILENAME + ".blob.tmp")

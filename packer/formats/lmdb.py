@@ -71,6 +71,7 @@ def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sam
 
 class LmdbWriter(Writer):
     RESUMES_FROM = "its last committed transaction"
+    FILES = ("data.mdb", "lock.mdb")
     COMMIT_BYTES = 256 << 20
     COMMIT_SAMPLES = 2000
 

@@ -79,6 +79,8 @@ def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes
 
 class WdsWriter(Writer):
     RESUMES_FROM = "its last complete shard"
+    FILES = ("shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar", "shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar.tmp", INDEX,
+             PARTIAL_INDEX)
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
