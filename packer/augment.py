@@ -28,6 +28,11 @@ from .transforms import INTERPOLATIONS, Size, as_hwc, output_size, to_pil
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 TRIES = 10  # torchvision's RandomResizedCrop.get_params
+# DCT-scaled decodes keep the region at least MARGIN times the output, so that the bilinear resample after them
+# still does the antialiasing. Measured on sample_data (300 windows each): with 1 (the smallest scale that
+# covers the output) a 48 px crop fell to 24 dB of the exact output and a 96 px one to 29 dB; with 2 the worst
+# was 32.6 dB. The cost is one scale step less (1/4 where 1/8 would have covered the output).
+MARGIN = 2
 
 
 def _mix(z: int) -> int:
@@ -149,10 +154,11 @@ def resample_box(arr: np.ndarray, full: tuple[int, int], box: tuple[float, float
 def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int], window: Window,
                   size: tuple[int, int], interpolation: str) -> Image.Image:
     """The fast path of :func:`crop_resize` for a JPEG: decode at the largest DCT scale that keeps the scaled
-    window at least ``size``, resample only the window. Within 30 dB of the exact output (resampling a
-    DCT-scaled image is close to, not the same as, antialiased resampling of the full one)."""
+    window at least ``MARGIN`` times ``size``, resample only the window. Within 30 dB of the exact output
+    (resampling a DCT-scaled image is close to, not the same as, antialiased resampling of the full one)."""
     h, w = full
-    arr = scaled_jpeg(payload, mode, full, -(-h * size[0] // window.height), -(-w * size[1] // window.width))
+    arr = scaled_jpeg(payload, mode, full, -(-h * size[0] * MARGIN // window.height),
+                      -(-w * size[1] * MARGIN // window.width))
     box = (window.left, window.top, window.left + window.width, window.top + window.height)
     return resample_box(arr, full, box, size, interpolation)
 
@@ -160,14 +166,15 @@ def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int],
 def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, int], resize: int | Size | None,
                        crop: Size | None, interpolation: str) -> Image.Image | None:
     """The read-time resize and centre crop of :func:`packer.transforms.resize_crop` on a JPEG decoded at the
-    smallest DCT scale that is at least the resized size; None when the crop pads (the exact path does that)."""
+    smallest DCT scale that is at least ``MARGIN`` times the resized size; None when the crop pads (the exact
+    path does that)."""
     h, w = full
     rw, rh = output_size(w, h, resize, None)
     if crop and (crop[0] > rw or crop[1] > rh):
         return None
     cw, ch = crop or (rw, rh)
     left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
-    arr = scaled_jpeg(payload, mode, full, rh, rw)
+    arr = scaled_jpeg(payload, mode, full, rh * MARGIN, rw * MARGIN)
     sx, sy = w / rw, h / rh
     return resample_box(arr, full, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), interpolation)
 
