@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 import simplejpeg
+import torch
 from PIL import Image
 
 from .transforms import INTERPOLATIONS, Size, as_hwc, output_size, to_pil
@@ -151,16 +152,34 @@ def resample_box(arr: np.ndarray, full: tuple[int, int], box: tuple[float, float
     return to_pil(arr).resize((size[1], size[0]), INTERPOLATIONS[interpolation], box=scaled)
 
 
+def resized_window(arr: np.ndarray, full: tuple[int, int], window: Window, size: tuple[int, int],
+                   interpolation: str) -> np.ndarray:
+    """The fast resample of ``window`` (in the ``full`` (height, width) image's pixels) of ``arr``, the image
+    decoded at full or reduced scale, to ``size`` (height, width). At full scale torch's uint8 antialiased
+    bilinear kernel, within one level of Pillow's and about three times as fast; Pillow otherwise."""
+    if interpolation != "bilinear" or arr.shape[:2] != full:
+        # a reduced-scale window has fractional edges, which Pillow's box resamples exactly (rounding them to
+        # whole pixels for torch cost up to 3 dB on small outputs)
+        box = (window.left, window.top, window.left + window.width, window.top + window.height)
+        return as_hwc(resample_box(arr, full, box, size, interpolation))
+    top, left, bottom, right = window.top, window.left, window.top + window.height, window.left + window.width
+    # a writable contiguous copy of the window: torch takes it without a copy of its own or a warning
+    crop = torch.from_numpy(np.require(arr[top:bottom, left:right], requirements="CW")).permute(2, 0, 1)[None]
+    if crop.shape[2:] == size:
+        return crop[0].permute(1, 2, 0).numpy()
+    resized = torch.nn.functional.interpolate(crop, size=size, mode="bilinear", antialias=True)
+    return resized.contiguous(memory_format=torch.channels_last)[0].permute(1, 2, 0).numpy()
+
+
 def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int], window: Window,
-                  size: tuple[int, int], interpolation: str) -> Image.Image:
+                  size: tuple[int, int], interpolation: str) -> np.ndarray:
     """The fast path of :func:`crop_resize` for a JPEG: decode at the largest DCT scale that keeps the scaled
     window at least ``MARGIN`` times ``size``, resample only the window. Within 30 dB of the exact output
     (resampling a DCT-scaled image is close to, not the same as, antialiased resampling of the full one)."""
     h, w = full
     arr = scaled_jpeg(payload, mode, full, -(-h * size[0] * MARGIN // window.height),
                       -(-w * size[1] * MARGIN // window.width))
-    box = (window.left, window.top, window.left + window.width, window.top + window.height)
-    return resample_box(arr, full, box, size, interpolation)
+    return resized_window(arr, full, window, size, interpolation)
 
 
 def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, int], resize: int | Size | None,
@@ -179,7 +198,7 @@ def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, 
     return resample_box(arr, full, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), interpolation)
 
 
-def write_image(img: Image.Image, flipped: bool, out: np.ndarray | None) -> np.ndarray:
+def write_image(img: Image.Image | np.ndarray, flipped: bool, out: np.ndarray | None) -> np.ndarray:
     """``img`` as an (H, W, C) array, mirrored left-right when ``flipped`` (folded into the copy), written into
     ``out`` when given."""
     arr = as_hwc(img)
@@ -189,7 +208,7 @@ def write_image(img: Image.Image, flipped: bool, out: np.ndarray | None) -> np.n
         out[...] = arr
         return out
     if out is None:
-        out = np.empty_like(arr)
+        out = np.empty(arr.shape, arr.dtype)
     # whole pixels as one opaque item each: numpy mirrors them about twice as fast as byte by byte
     pixel = f"V{arr.shape[2] * arr.itemsize}"
     np.copyto(out.view(pixel)[..., 0], arr.view(pixel)[..., 0][:, ::-1])

@@ -24,6 +24,7 @@ from ..augment import (
     crop_resize,
     image_size,
     jpeg_size,
+    resized_window,
     sample_window,
     scaled_resize_crop,
     scaled_window,
@@ -328,25 +329,29 @@ class PackedDataset(Dataset):
 
     def _resized_crop(self, index: int, sample: Sample, window: Window) -> np.ndarray:
         """The window resampled to the output size, unflipped: exactly torchvision's ``resized_crop`` on the
-        decoded image, or from a DCT-scaled JPEG decode (decoder auto/fast)."""
+        decoded image (decoder pil), or the fast path: JPEGs decoded at a reduced DCT scale, and torch's
+        resampler, within one level of Pillow's (auto/fast)."""
         name = self._describe(index)
         size = self.random_resized_crop
         full = self._full_size(index, sample)
-        if self.decoder != "pil" and not self._is_raw:
-            img = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
+        fast = self.decoder != "pil"
+        if fast and not self._is_raw:
+            arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
                 data, self.spec.mode, full, window, size, self.interpolation))
-            if img is not None:
-                return as_hwc(img)
+            if arr is not None:
+                return arr
         if self._is_raw:
-            img = to_pil(self._stored_array(sample, name))
-        elif self.decoder == "pil":
-            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            arr = self._stored_array(sample, name)
+        elif fast:
+            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
         else:
-            img = to_pil(decode(sample.payload, self.spec.mode, name, self.max_pixels))
-        if (img.height, img.width) != full:
-            raise CorruptDataError(f"{name}: image is {img.width}x{img.height}, the dataset says "
+            arr = as_hwc(open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode))
+        if arr.shape[:2] != full:
+            raise CorruptDataError(f"{name}: image is {arr.shape[1]}x{arr.shape[0]}, the dataset says "
                                    f"{full[1]}x{full[0]}; re-pack")
-        return as_hwc(crop_resize(img, window, size, self.interpolation))
+        if fast:
+            return resized_window(arr, full, window, size, self.interpolation)
+        return as_hwc(crop_resize(to_pil(arr), window, size, self.interpolation))
 
     def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
         """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
