@@ -340,18 +340,19 @@ class PackedDataset(Dataset):
                 data, self.spec.mode, full, window, size, self.interpolation))
             if arr is not None:
                 return arr
-        if self._is_raw:
-            arr = self._stored_array(sample, name)
-        elif fast:
-            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
+        if self._is_raw or fast:
+            arr = self._stored_array(sample, name) if self._is_raw else decode(sample.payload, self.spec.mode,
+                                                                               name, self.max_pixels)
+            decoded = arr.shape[:2]
         else:
-            arr = as_hwc(open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode))
-        if arr.shape[:2] != full:
-            raise CorruptDataError(f"{name}: image is {arr.shape[1]}x{arr.shape[0]}, the dataset says "
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            decoded = (img.height, img.width)
+        if decoded != full:
+            raise CorruptDataError(f"{name}: image is {decoded[1]}x{decoded[0]}, the dataset says "
                                    f"{full[1]}x{full[0]}; re-pack")
-        if fast:
+        if self._is_raw or fast:
             return resized_window(arr, full, window, size, self.interpolation)
-        return as_hwc(crop_resize(to_pil(arr), window, size, self.interpolation))
+        return as_hwc(crop_resize(img, window, size, self.interpolation))
 
     def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
         """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
