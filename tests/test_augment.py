@@ -340,3 +340,21 @@ def test_fast_decoder_is_close_to_the_default(pack, resize, crop):
     batch = fast.__getitems__([0, 4, 2])
     for (image, _), i in zip(batch, [0, 4, 2], strict=True):
         assert torch.equal(image, fast[i][0])
+
+
+@pytest.mark.parametrize("decoder", ["pil", "auto"])
+def test_damaged_images_are_one_line_errors_naming_the_file(tmp_path, source, decoder):
+    """A file that is not an image, and a JPEG cut short after its header, fail with the file's name."""
+    from packer.errors import ImageError
+
+    root = tmp_path / "src"
+    shutil.copytree(source, root)
+    good = root / "rocket" / "big.jpg"
+    (root / "cat" / "garbage.jpg").write_bytes(b"not an image at all")
+    (root / "cat" / "truncated.jpg").write_bytes(good.read_bytes()[:2000])
+    ds = packer.FolderDataset(root, random_resized_crop=SIZE, flip=True, decoder=decoder)
+    for name in ("garbage.jpg", "truncated.jpg"):
+        index = next(i for i in range(len(ds)) if ds.relpath(i).endswith(name))
+        with pytest.raises(ImageError) as info:
+            ds[index]
+        assert str(info.value).startswith(str(root / "cat" / name)) and "\n" not in str(info.value)
