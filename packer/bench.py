@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import __version__
+from .bench_train import PIPELINES, open_train, parse_pipelines, train_size
 from .errors import PackerError, warn
 from .system import usable_cores
 from .transforms import STORES, apply_geometry, as_hwc, decode, open_image, parse_size, resize_crop, to_pil
@@ -446,12 +447,15 @@ class Target:
     pack_crop: Size = None
     conversion: dict[str, Any] | None = None
     files: list[Path] = field(default_factory=list)
+    pipeline: str = "val"  # or "train": read_crop is then the random resized crop's size (bench_train)
 
     @property
     def bytes_per_sample(self) -> float:
         return self.bytes_on_disk / max(1, self.count)
 
     def open(self) -> Any:
+        if self.pipeline == "train":
+            return open_train(self.dataset, self.root, train_size(self.read_resize, self.read_crop))
         if self.dataset == "folder":
             from .folder import FolderDataset
 
@@ -616,6 +620,7 @@ def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict],
     resident_known = None if any(x is None for x in resident) else statistics.median(resident)
     row = {
         "dataset": target.dataset, "store": target.store, "store_mode": target.store_mode,
+        "pipeline": target.pipeline,
         "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
         "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
         "workers": workers, "threads": runs[0]["threads"], "batch_size": settings["batch_size"], "epoch": epoch + 1,
@@ -668,7 +673,7 @@ def measure_limits(targets: list[Target], work: Path, settings: dict[str, Any]) 
     limits["disk"] = disk
     for target in targets:
         key = _ceiling_key(target)
-        if key in limits["decode"]:
+        if key in limits["decode"] or target.pipeline != "val":  # no ceiling model for the train pipeline yet
             continue
         if target.store_mode == "raw" and not (target.read_resize or target.read_crop):
             limits["decode"][key] = {"kind": "memcpy", "samples_per_s": None}
@@ -691,11 +696,12 @@ def _ceiling_key(target: Target) -> str:
 
 def add_ceilings(rows: list[dict], targets: list[Target], limits: dict[str, Any]) -> None:
     """Give each row its ceiling (the lowest bound that applies) and its fraction of it."""
-    keys = {(t.dataset, t.store): _ceiling_key(t) for t in targets}
+    keys = {(t.dataset, t.store, t.pipeline): _ceiling_key(t) for t in targets}
     copy_bw = limits.get("memory_copy_gb_per_s", 0) * 1e9
     disk = limits.get("disk") or {}
     for row in rows:
-        entry = limits.get("decode", {}).get(keys[(row["dataset"], row["store"])], {})
+        entry = limits.get("decode", {}).get(keys[(row["dataset"], row["store"], row["pipeline"])], {})
+        entry = entry if row["pipeline"] == "val" else {}
         kind, cpu = entry.get("kind"), entry.get("samples_per_s")
         if kind == "memcpy" and copy_bw and row["bytes_per_sample_decoded"]:
             cpu = copy_bw / row["bytes_per_sample_decoded"]
@@ -716,14 +722,16 @@ def add_ceilings(rows: list[dict], targets: list[Target], limits: dict[str, Any]
 
 def add_speedups(rows: list[dict]) -> None:
     """speedup_vs_folder: the row's rate over the folder's with the same workers, epoch and cache."""
-    folder = {(r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows if r["dataset"] == "folder"}
+    folder = {(r["pipeline"], r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows
+              if r["dataset"] == "folder"}
     for row in rows:
-        base = folder.get((row["workers"], row["epoch"], row["cache"]))
+        base = folder.get((row["pipeline"], row["workers"], row["epoch"], row["cache"]))
         row["speedup_vs_folder"] = row["samples_per_s"] / base if base else None
 
 
 # -- output ---------------------------------------------------------------------------------------------------------
-COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("workers", "workers", "{}"),
+COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("pipeline", "pipeline", "{}"),
+           ("workers", "workers", "{}"),
            ("threads", "threads", "{}"),
            ("cache", "cache", "{}"), ("epoch", "epoch", "{}"), ("samples_per_s", "samples/s", "{:.0f}"),
            ("mb_per_s_read", "MB/s read", "{:.1f}"), ("mb_per_s_decoded", "MB/s out", "{:.1f}"),
@@ -832,8 +840,9 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
                 ax.plot([i - 0.4, i + 0.4], [r["ceiling_samples_per_s"]] * 2, color="black", lw=2)
         for r in chosen:
             if r["dataset"] == "folder":
-                ax.axhline(r["samples_per_s"], color="tab:red", ls="--", label=f"folder {r['samples_per_s']:.0f}/s")
-        ax.set_xticks(x, [f"{r['dataset']}\n{r['store']}" for r in packed], fontsize=7)
+                ax.axhline(r["samples_per_s"], color="tab:red", ls="--",
+                           label=f"folder {r['pipeline']} {r['samples_per_s']:.0f}/s")
+        ax.set_xticks(x, [f"{r['dataset']}\n{r['store']}\n{r['pipeline']}" for r in packed], fontsize=7)
         ax.set_yscale("log")
         ax.set_title(f"{cache} cache, {workers} workers, epoch {epoch}")
         ax.set_ylabel("samples/s (black tick: ceiling)")
@@ -929,7 +938,7 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
               packed: Sequence[str | os.PathLike] = (), repeats: int = 1, read_resize: Size = 256,
               read_crop: Size = 224, work: str | os.PathLike | None = None, limits: bool = True,
               disk_test_mb: int = 384, prefetch_factor: int = 4, progress: bool = True,
-              command: str | None = None) -> dict[str, Any]:
+              command: str | None = None, pipelines: Sequence[str] = PIPELINES) -> dict[str, Any]:
     """Pack ``src`` into every format x store (or use ``packed``), read each and the folder through
     :func:`packer.make_loader`, and return (and write to ``out``, when given) every figure. See the module
     docstring for what is measured; ``stores`` entries are parsed by :func:`parse_variant`."""
@@ -942,13 +951,14 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
         raise ValueError("caches are warm and/or cold; epochs, repeats and batch_size are at least 1")
     variants = [s if isinstance(s, Variant) else parse_variant(s, parse_size(resize), parse_size(center_crop))
                 for s in stores]
+    pipelines = parse_pipelines(list(pipelines))
     if not src.is_dir():
         raise PackerError(f"{src}: no such folder; give the image folder to benchmark")
     settings = {"formats": list(formats), "stores": [v.label for v in variants], "batch_size": batch_size,
                 "workers": list(workers) if workers is not None else default_workers(), "epochs": epochs,
                 "caches": list(caches), "step_ms": step_ms, "repeats": repeats, "read_resize": read_resize,
                 "read_crop": read_crop, "prefetch_factor": prefetch_factor, "disk_test_mb": disk_test_mb,
-                "packed": [str(p) for p in packed]}
+                "packed": [str(p) for p in packed], "pipelines": pipelines}
     work_parent = Path(work) if work else Path(out) if out else Path(tempfile.gettempdir())
     work_parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="packer-bench-", dir=work_parent))
@@ -978,7 +988,10 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     expected = output_signature(folder)
     for target in targets:
         _check_signature(output_signature(target), expected, str(target.root))
-    everything = [folder, *targets]
+    # the train pipeline crops every dataset to the output size from its full stored image
+    train = {"read_resize": settings["read_resize"], "read_crop": settings["read_crop"]}
+    everything = [replace(t, pipeline=p, **(train if p == "train" else {}))
+                  for p in settings["pipelines"] for t in [folder, *targets]]
     limit_info = measure_limits(everything, work, settings) if limits else {}
     per_sample = len(settings["workers"]) * len(settings["caches"]) * settings["repeats"] * settings["epochs"]
     bar = tqdm(total=sum(t.count for t in everything) * per_sample, unit="img", desc="reading",

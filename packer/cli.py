@@ -306,11 +306,14 @@ def verify(dest, deep) -> None:
               help="DEST: sweep workers, batch size and prefetch factor on DEST; write DEST/loader.json.")
 @click.option("--batch-sizes", default="32,64,128", show_default=True, help="With --tune: batch sizes to try.")
 @click.option("--prefetch-factors", default="2,4", show_default=True, help="With --tune: prefetch factors to try.")
+@click.option("--pipeline", "pipelines", default="val,train", show_default=True,
+              help="val: read-time resize and centre crop; train: random resized crop + flip fused into decoding "
+              "(the folder baseline decodes with Pillow, as ImageFolder + torchvision's transforms).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @handle_errors
 def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, batch_size, workers, epochs, caches,
           step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits, tune_dest,
-          batch_sizes, prefetch_factors, quiet) -> None:
+          batch_sizes, prefetch_factors, pipelines, quiet) -> None:
     """Measure loading speed of SRC packed in each format and store against the folder itself; or, with
     --tune DEST, find the fastest loader settings for a packed dataset."""
     from . import bench as b
@@ -333,6 +336,7 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
                           read_resize=b.optional_size(read_resize), read_crop=b.optional_size(read_crop),
                           work=work, limits=not no_limits, disk_test_mb=disk_test_mb,
                           prefetch_factor=prefetch_factor, progress=not quiet,
+                          pipelines=b.split_names(pipelines),
                           command=" ".join(["packer", *map(shlex.quote, sys.argv[1:])]))
     click.echo(b.render_text(results), nl=False)
     click.echo(f"wrote {', '.join(results['outputs'].values())}")

@@ -52,9 +52,11 @@ def test_writes_every_output_and_removes_the_work_folder(bench_run):
 
 def test_one_row_per_dataset_store_workers_epoch_cache(bench_run):
     rows = bench_run[2]["rows"]
-    keys = [(r["dataset"], r["store"], r["workers"], r["epoch"], r["cache"]) for r in rows]
-    expected = [(f, s, 0, 1, c) for f, s in itertools.product(FORMATS, STORES) for c in ("warm", "cold")]
-    expected += [("folder", "files", 0, 1, c) for c in ("warm", "cold")]
+    keys = [(r["dataset"], r["store"], r["pipeline"], r["workers"], r["epoch"], r["cache"]) for r in rows]
+    both = ("val", "train")  # the default --pipeline
+    expected = [(f, s, p, 0, 1, c) for f, s in itertools.product(FORMATS, STORES) for p in both
+                for c in ("warm", "cold")]
+    expected += [("folder", "files", p, 0, 1, c) for p in both for c in ("warm", "cold")]
     assert sorted(keys) == sorted(expected)
 
 
@@ -86,9 +88,10 @@ def test_bytes_read_per_sample_come_from_the_files(bench_run, tiny_folder):
 
 def test_speedup_is_the_rate_over_the_folder_rate_with_the_same_settings(bench_run):
     rows = bench_run[2]["rows"]
-    folder = {(r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows if r["dataset"] == "folder"}
+    folder = {(r["pipeline"], r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows
+              if r["dataset"] == "folder"}
     for r in rows:
-        base = folder[(r["workers"], r["epoch"], r["cache"])]
+        base = folder[(r["pipeline"], r["workers"], r["epoch"], r["cache"])]
         assert r["speedup_vs_folder"] == pytest.approx(r["samples_per_s"] / base)
 
 
@@ -97,6 +100,11 @@ def test_fraction_of_ceiling_is_the_rate_over_the_lowest_bound(bench_run):
     limits = results["limits"]
     assert limits["memory_copy_gb_per_s"] > 0 and limits["disk"]["mb_per_s"] > 0
     for r in results["rows"]:
+        if r["pipeline"] == "train":  # no decode ceiling for it: only the disk bounds it, on a cold cache
+            assert r["cpu_ceiling_samples_per_s"] is None
+            assert r["ceiling_samples_per_s"] == r["disk_ceiling_samples_per_s"]
+            assert (r["ceiling_kind"] == "disk") == (r["cache"] == "cold")
+            continue
         bounds = {r["ceiling_kind"]: r["ceiling_samples_per_s"]}
         if r["cache"] == "cold":
             assert r["disk_ceiling_samples_per_s"] == pytest.approx(
@@ -160,11 +168,22 @@ def test_tune_writes_loader_json_that_make_loader_uses(tiny_folder, tmp_path, ru
     (("src", "--tune", "dest"), "not both"),
     (("src", "--store", "zip"), "unknown store"),
     (("src", "--workers", "0,x"), "whole numbers"),
+    (("src", "--pipeline", "val,test"), "unknown pipeline test"),
 ])
 def test_bad_arguments_are_one_line_errors(run_packer, tmp_path, args, message):
     proc = run_packer("bench", *args, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith("packer: error:") and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_pipeline_reads_with_random_resized_crop_and_flip(tiny_folder):
+    """The train rows' datasets: the folder through Pillow (ImageFolder + torchvision's transforms), packed
+    datasets with the default decoder; both crop to the output size."""
+    target = bench.folder_target(tiny_folder, 32, 24)
+    train = bench.replace(target, pipeline="train").open()
+    assert (train.decoder, train.random_resized_crop, train.flip) == ("pil", (24, 24), True)
+    assert train.output_shape() == (24, 24, 3) == target.open().output_shape()
+    assert bench.train_size(None, (40, 30)) == (30, 40)  # a WxH output is a (height, width) crop
 
 
 def test_store_variants_parse():

@@ -20,7 +20,19 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..errors import CorruptDataError
+from ..augment import (
+    Window,
+    crop_resize,
+    image_size,
+    jpeg_size,
+    resized_window,
+    sample_window,
+    scaled_resize_crop,
+    scaled_window,
+    uniform_stream,
+    write_image,
+)
+from ..errors import CorruptDataError, ImageError
 from ..manifest import read_manifest
 from ..transforms import (
     Encoded,
@@ -112,7 +124,15 @@ class PackedDataset(Dataset):
             offline ones (``resize=256, center_crop=224``); cheaper than an equivalent ``transform``.
         verify: check each sample's crc32 on read and raise :class:`CorruptDataError` on a mismatch.
         decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise; a read-time resize and crop resample only
-            the cropped region) or ``"pil"`` (Pillow for everything, resize then crop: torchvision's pipeline).
+            the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale), ``"fast"`` (as
+            auto, and a read-time resize of a JPEG also decodes at a reduced DCT scale: faster validation from
+            large originals, a few levels from Pillow's pixels) or ``"pil"`` (Pillow for everything, resize
+            then crop: torchvision's pipeline, exactly).
+        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
+            decoding, with ``scale`` and ``ratio`` as there. The window depends only on ``(seed, epoch, index)``
+            (see :meth:`augment_params`); it replaces ``resize``/``center_crop``.
+        flip: mirror left-right with probability 0.5, drawn from the same ``(seed, epoch, index)`` stream.
+        seed: the augmentation seed (not the sample order's: that is the sampler's).
         threads: threads that decode one batch in ``__getitems__`` (default 1; :func:`packer.make_loader` sets
             it to the usable cores when it decodes in the main process). Decoding releases the GIL.
 
@@ -126,7 +146,9 @@ class PackedDataset(Dataset):
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, resize: int | str | None = None,
                  center_crop: int | str | None = None, interpolation: str = "bilinear", verify: bool = False,
-                 decoder: str = "auto", threads: int = 1, manifest: dict | None = None):
+                 decoder: str = "auto", threads: int = 1, manifest: dict | None = None,
+                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0):
         self.root = Path(root)
         self.manifest = manifest if manifest is not None else read_manifest(self.root)
         if self.manifest.get("parts") is not None and not self._accepts_parts:
@@ -149,10 +171,62 @@ class PackedDataset(Dataset):
         self.pin_memory = False  # make_loader sets it: batches are then allocated in pinned memory
         self._pid: int | None = None
         self._executor: ThreadPoolExecutor | None = None
-        if decoder not in ("auto", "pil"):
-            raise ValueError("decoder must be 'auto' or 'pil'")
-        if (self.resize or self.center_crop) and self.spec.normalize:
-            raise ValueError("read-time resize/crop needs uint8 images; this dataset stores normalized floats")
+        if decoder not in ("auto", "fast", "pil"):
+            raise ValueError("decoder must be 'auto', 'fast' or 'pil'")
+        self.random_resized_crop = _height_width(random_resized_crop)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.flip = bool(flip)
+        self.seed = int(seed)
+        self.epoch = 0
+        if not (0 < self.scale[0] <= self.scale[1] and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError("scale and ratio are (min, max) ranges of positive numbers")
+        if self.random_resized_crop and (self.resize or self.center_crop):
+            raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
+        if (self.resize or self.center_crop or self.augments) and self.spec.normalize:
+            raise ValueError("read-time resize/crop/flip needs uint8 images; this dataset stores normalized floats")
+
+    @property
+    def augments(self) -> bool:
+        """Whether reading applies a random resized crop or flip."""
+        return bool(self.random_resized_crop or self.flip)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
+        from packer's samplers does, and wins)."""
+        self.epoch = int(epoch)
+
+    def augment_params(self, index: int, epoch: int | None = None) -> Window:
+        """The random resized crop window and flip of sample ``index`` in ``epoch`` (default: the index's
+        epoch, else :attr:`epoch`): ``(top, left, height, width, flipped)`` in the stored image's full-size
+        pixels. The whole image when there is no random resized crop.
+
+        Args:
+            index: the sample index.
+            epoch: the epoch; the same (seed, epoch, index) always gives the same window.
+
+        Returns:
+            a :class:`packer.augment.Window` named tuple.
+        """
+        if epoch is None:
+            epoch = getattr(index, "epoch", self.epoch)
+        index = self._check_index(index)
+        self._ensure_open()
+        return self._window(index, self._read(index), epoch)
+
+    def _full_size(self, index: int, sample: Sample) -> tuple[int, int]:
+        """(height, width) of the stored image from its index entry, or from its header (never by decoding)."""
+        if sample.shape[0] and sample.shape[1]:
+            return sample.shape[0], sample.shape[1]
+        size = image_size(sample.payload)
+        if size is None:  # a damaged header: decoding reports it with the sample's name
+            size = self._plain_array(index, sample).shape[:2]
+        return size
+
+    def _window(self, index: int, sample: Sample, epoch: int) -> Window:
+        height, width = self._full_size(index, sample)
+        return sample_window(height, width, self.scale, self.ratio, uniform_stream(self.seed, epoch, index),
+                             crop=self.random_resized_crop is not None, flip=self.flip)
 
     # -- per-format parts ----------------------------------------------------------------------------------
     @abstractmethod
@@ -247,17 +321,80 @@ class PackedDataset(Dataset):
     def _is_raw(self) -> bool:
         return self.spec.store == "raw"
 
-    def _array(self, index: int, sample: Sample, out: np.ndarray | None = None) -> np.ndarray:
-        """The sample as an (H, W, C) array with the read-time resize/crop applied, written into ``out`` when
-        given (JPEGs decode straight into it). Without ``out`` it may be a read-only view of the stored data."""
+    def _array(self, index: int, sample: Sample, out: np.ndarray | None = None, epoch: int = 0) -> np.ndarray:
+        """The sample as an (H, W, C) array with the read-time resize/crop or augmentation of ``epoch`` applied,
+        written into ``out`` when given (JPEGs decode straight into it). Without ``out`` it may be a read-only
+        view of the stored data."""
+        if not self.augments:
+            return self._plain_array(index, sample, out)
+        window = self._window(index, sample, epoch)
+        if self.random_resized_crop is None:  # flip only, after any resize/crop
+            image = self._plain_array(index, sample)
+        else:
+            image = self._resized_crop(index, sample, window)
+        if out is not None and image.shape[:2] != out.shape[:2]:
+            raise CorruptDataError(f"{self._describe(index)}: image is {image.shape}, the dataset says "
+                                   f"{out.shape}; re-pack or pass resize/center_crop")
+        return write_image(image, window.flipped, out)
+
+    def _resized_crop(self, index: int, sample: Sample, window: Window) -> np.ndarray:
+        """The window resampled to the output size, unflipped: exactly torchvision's ``resized_crop`` on the
+        decoded image (decoder pil), or the fast path: JPEGs decoded at a reduced DCT scale, and torch's
+        resampler, within one level of Pillow's (auto/fast)."""
+        name = self._describe(index)
+        size = self.random_resized_crop
+        full = self._full_size(index, sample)
+        fast = self.decoder != "pil"
+        if fast and not self._is_raw:
+            arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
+                data, self.spec.mode, full, window, size, self.interpolation))
+            if arr is not None:
+                return arr
+        if self._is_raw or fast:
+            arr = self._stored_array(sample, name) if self._is_raw else decode(sample.payload, self.spec.mode,
+                                                                               name, self.max_pixels)
+            decoded = arr.shape[:2]
+        else:
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            decoded = (img.height, img.width)
+        if decoded != full:
+            raise CorruptDataError(f"{name}: image is {decoded[1]}x{decoded[0]}, the dataset says "
+                                   f"{full[1]}x{full[0]}; re-pack")
+        if self._is_raw or fast:
+            return resized_window(arr, full, window, size, self.interpolation)
+        return as_hwc(crop_resize(img, window, size, self.interpolation))
+
+    def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
+        """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
+        None for anything else (it takes the full decode)."""
+        size = jpeg_size(sample.payload)
+        if size is None:
+            return None
+        height, width = size
+        if size != full:
+            raise CorruptDataError(f"{name}: image is {width}x{height}, the dataset says {full[1]}x{full[0]}; "
+                                   "re-pack")
+        if height * width > self.max_pixels:
+            raise ImageError(name, f"{width}x{height} is over the {self.max_pixels:,}-pixel limit; raise "
+                                   "--max-pixels")
+        try:
+            return fn(sample.payload)
+        except ValueError as exc:
+            raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
+
+    def _stored_array(self, sample: Sample, name: str) -> np.ndarray:
+        try:
+            return np.frombuffer(sample.payload, dtype=self.spec.dtype).reshape(sample.shape)
+        except ValueError:
+            raise CorruptDataError(f"{name}: stored array has {len(sample.payload)} bytes, not the "
+                                   f"{sample.shape} it should; re-pack") from None
+
+    def _plain_array(self, index: int, sample: Sample, out: np.ndarray | None = None) -> np.ndarray:
+        """The sample with the read-time resize/crop applied (no augmentation); see :meth:`_array`."""
         name = self._describe(index)
         geometry = self.resize or self.center_crop
         if self._is_raw:
-            try:
-                arr = np.frombuffer(sample.payload, dtype=self.spec.dtype).reshape(sample.shape)
-            except ValueError:
-                raise CorruptDataError(f"{name}: stored array has {len(sample.payload)} bytes, not the "
-                                       f"{sample.shape} it should; re-pack") from None
+            arr = self._stored_array(sample, name)
             if geometry:
                 arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         elif self.decoder == "pil":
@@ -266,8 +403,15 @@ class PackedDataset(Dataset):
                 img = apply_geometry(img, self.resize, None, self.center_crop, self.interpolation)
             arr = as_hwc(img)
         elif geometry:
-            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
-            arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+            img = None
+            if self.decoder == "fast":
+                full = self._full_size(index, sample)
+                img = self._scaled_jpeg(sample, name, full, lambda data: scaled_resize_crop(
+                    data, self.spec.mode, full, self.resize, self.center_crop, self.interpolation))
+            if img is None:
+                img = resize_crop(to_pil(decode(sample.payload, self.spec.mode, name, self.max_pixels)),
+                                  self.resize, self.center_crop, self.interpolation)
+            arr = as_hwc(img)
         else:
             return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
         if out is not None:
@@ -297,15 +441,18 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         if not self.decode:
             return self.raw_sample(index)
+        epoch = getattr(index, "epoch", self.epoch)  # before normalising: index % n drops it
         index = self._check_index(index)
         self._ensure_open()
         sample = self._checked(index, self._read(index))
-        arr = self._array(index, sample)
+        arr = self._array(index, sample, epoch=epoch)
         image = torch.from_numpy(np.array(arr) if not arr.flags.writeable else arr).permute(2, 0, 1)
         return self._finish(image, sample.label)
 
     def output_shape(self) -> tuple[int, int, int] | None:
         """(H, W, C) of every decoded image when it is fixed, else None."""
+        if self.random_resized_crop:
+            return *self.random_resized_crop, self.spec.channels
         if self.center_crop:
             return self.center_crop[1], self.center_crop[0], self.spec.channels
         if isinstance(self.resize, tuple):
@@ -318,23 +465,35 @@ class PackedDataset(Dataset):
         (B, H, W, C) batch tensor. Returned as a :class:`PackedBatch` whose images are CHW views of it."""
         if not self.decode:
             return [self.raw_sample(i) for i in indices]
+        epochs = [getattr(i, "epoch", self.epoch) for i in indices]  # before normalising: index % n drops it
         indices = [self._check_index(i) for i in indices]
         self._ensure_open()
         shape = self.output_shape()
-        if shape is None:
-            items = []
-            for i, s in zip(indices, self._read_many(indices), strict=True):
-                arr = self._array(i, self._checked(i, s))
-                items.append(self._finish(torch.from_numpy(np.array(arr)).permute(2, 0, 1), s.label))
-            return items
+        copies_only = self._is_raw and not (self.resize or self.center_crop or self.augments)
+        if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
+            samples = self._read_many(indices)
+            arrays: list = [None] * len(indices)
+
+            def decode_one(j: int) -> None:
+                arr = self._array(indices[j], self._checked(indices[j], samples[j]), epoch=epochs[j])
+                arrays[j] = arr if arr.flags.writeable else np.array(arr)
+
+            if copies_only:
+                for j in range(len(indices)):
+                    decode_one(j)
+            else:
+                self._parallel(decode_one, list(range(len(indices))))
+            return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
+                    for arr, s in zip(arrays, samples, strict=True)]
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
         batch = empty_batch((len(indices), *shape), dtype, self.pin_memory)
         out = batch.numpy()
-        labels = self.gather_raw(indices, out) if self._is_raw else None
+        labels = self.gather_raw(indices, out) if copies_only else None
         if labels is None:
             samples = self._read_many(indices)
-            fill = lambda j: self._array(indices[j], self._checked(indices[j], samples[j]), out[j])  # noqa: E731
-            if self._is_raw and not (self.resize or self.center_crop):
+            fill = lambda j: self._array(indices[j], self._checked(indices[j], samples[j]), out[j],  # noqa: E731
+                                         epochs[j])
+            if copies_only:
                 for j in range(len(indices)):  # a copy each: less work than handing it to a thread
                     fill(j)
             else:
@@ -348,6 +507,16 @@ class PackedDataset(Dataset):
         result = PackedBatch(pairs)
         result.images, result.labels = images, labels
         return result
+
+def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
+    if size is None:
+        return None
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
+        raise ValueError(f"random_resized_crop must be a positive int or (height, width), not {size!r}")
+    return pair
+
 
 _REGISTRY: dict[str, tuple[type[Writer], type[PackedDataset]]] = {}
 
