@@ -17,9 +17,10 @@ import psutil
 import pytest
 import torch
 from packed_support import FORMATS, MEAN, STD, digest, packed
-from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 import packer
+from packer.sampler import ResumableSampler
 from packer.system import usable_cores
 
 BATCH = 16
@@ -368,8 +369,9 @@ def test_make_loader_defaults_for_any_dataset():
     assert loader.persistent_workers == (loader.num_workers > 0)
     if loader.num_workers:
         assert loader.prefetch_factor == 4
-    assert isinstance(loader.sampler, RandomSampler)
-    assert isinstance(packer.make_loader(data, shuffle=False).sampler, SequentialSampler)
+    assert isinstance(loader.sampler, ResumableSampler) and loader.sampler.shuffle
+    in_order = packer.make_loader(data, shuffle=False, batch_size=10, num_workers=0)
+    assert [batch.tolist() for (batch,) in in_order] == [list(range(i, i + 10)) for i in range(0, 100, 10)]
     values = sorted(int(v) for (batch,) in packer.make_loader(data, batch_size=32, num_workers=0) for v in batch)
     assert values == list(range(100))
 
@@ -392,7 +394,7 @@ def test_make_loader_overrides_win(pack):
                                 pin_memory=False, prefetch_factor=2)
     assert (loader.batch_size, loader.num_workers, loader.persistent_workers, loader.pin_memory,
             loader.prefetch_factor) == (5, 1, False, False, 2)
-    assert isinstance(loader.sampler, SequentialSampler)
+    assert not loader.sampler.shuffle
     assert [labels.tolist() for _, labels in loader][:2] == [[ds[i][1] for i in range(5)],
                                                              [ds[i][1] for i in range(5, 10)]]
     none = packer.make_loader(TensorDataset(torch.arange(10)), num_workers=0)
