@@ -50,15 +50,14 @@ def collate(batch: list) -> Any:
     """Return a :class:`PackedBatch`'s tensors as they are; anything else goes to ``default_collate``."""
     if isinstance(batch, PackedBatch):
         return batch.images, batch.labels
-    try:
-        return default_collate(batch)
-    except RuntimeError as exc:
-        if "stack expects each tensor to be equal size" not in str(exc):
-            raise
-        sizes = sorted({tuple(item[0].shape) for item in batch if isinstance(item[0], torch.Tensor)})
-        raise PackerError(f"images in one batch differ in size ({', '.join(map(str, sizes[:3]))}); pass "
-                          "resize= and center_crop= (or random_resized_crop=) to open_dataset so that every "
-                          "image has one size") from None
+    first = batch[0] if batch else None
+    if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
+        sizes = sorted({tuple(item[0].shape) for item in batch})
+        if len(sizes) > 1:  # torch would say "stack expects each tensor to be equal size", or worse in a worker
+            raise PackerError(f"images in one batch differ in size ({', '.join(map(str, sizes[:3]))}); pass "
+                              "resize= and center_crop= (or random_resized_crop=) to open_dataset so that every "
+                              "image has one size")
+    return default_collate(batch)
 
 
 def seed_worker(worker_id: int) -> None:

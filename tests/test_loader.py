@@ -427,3 +427,12 @@ def test_loader_labels_match_imagefolder(pack, sample_data, reference_scan):
         expected = [class_to_idx[ds.relpath(i).split("/")[0]] for i in range(len(ds))]
         assert labels.tolist() == expected
         assert collections.Counter(expected) == collections.Counter({i: 30 for i in range(5)})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_of_different_sizes_name_the_fix(pack, workers):
+    ds = packer.open_dataset(pack("lmdb", "raw_var"))
+    loader = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=workers)
+    with pytest.raises(packer.PackerError, match=r"images in one batch differ in size \(.*\); pass resize= and "
+                                                 r"center_crop= \(or random_resized_crop=\) to open_dataset"):
+        next(iter(loader))

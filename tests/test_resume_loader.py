@@ -330,3 +330,39 @@ def test_stateful_dataloader_resumes_exactly(packs, workers):
         for _ in range(EPOCHS - stop // nb):  # the rest of epoch 0 (if any), then whole epochs
             seen += labels_of(resumed)
         assert seen == whole, f"stopped after {stop} batches"
+
+
+# -- packer.stream ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_resumes_at_the_batch(packs, workers):
+    def make():
+        return packer.stream(packs["wds"], BATCH, num_workers=workers, seed=SEED)
+
+    def labels_of(loader, stop=None):
+        out = []
+        for _, labels in loader:
+            out.append(labels.tolist())
+            if len(out) == stop:
+                break
+        return out
+
+    reference = make()
+    whole = [labels_of(reference) for _ in range(2)]
+    assert sorted(sum(whole[0], [])) == sorted(sum(whole[1], [])) and whole[0] != whole[1]
+    nb = len(whole[0])
+    for stop in (1, nb // 2, nb - 1, nb):
+        first = make()
+        seen = labels_of(first, stop)
+        state = first.state_dict()
+        assert json.loads(json.dumps(state)) == state
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert len(resumed) == (nb - stop or nb)
+        seen += labels_of(resumed)
+        if stop < nb:
+            seen += labels_of(resumed)
+        assert seen == whole[0] + whole[1], f"stopped after {stop} batches"
+    other = packer.stream(packs["wds"], BATCH, num_workers=3 - workers, seed=SEED)
+    with pytest.raises(ValueError, match=r"^the stream state was saved with workers="):
+        other.load_state_dict(state)
