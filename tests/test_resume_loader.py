@@ -297,6 +297,16 @@ def test_loader_with_its_own_sampler_says_it_keeps_no_position(packs):
         loader.state_dict()
 
 
+def labels_of(loader, stop: int | None = None) -> list[list[int]]:
+    """The labels of each batch of one pass over ``loader``, stopping after ``stop`` batches."""
+    out = []
+    for _, labels in loader:
+        out.append(labels.tolist())
+        if len(out) == stop:
+            break
+    return out
+
+
 # -- torchdata's StatefulDataLoader -------------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch >= 2.10
@@ -309,14 +319,6 @@ def test_stateful_dataloader_resumes_exactly(packs, workers):
         sampler = ResumableSampler(ds, batch_size=BATCH, shuffle=True, seed=SEED)
         return StatefulDataLoader(ds, sampler=sampler, batch_size=BATCH, num_workers=workers,
                                   collate_fn=packer.loader.collate, persistent_workers=workers > 0)
-
-    def labels_of(loader, stop=None):
-        out = []
-        for _, labels in loader:
-            out.append(labels.tolist())
-            if len(out) == stop:
-                break
-        return out
 
     reference = make()
     whole = [batch for _ in range(EPOCHS) for batch in labels_of(reference)]
@@ -338,14 +340,6 @@ def test_stateful_dataloader_resumes_exactly(packs, workers):
 def test_stream_resumes_at_the_batch(packs, workers):
     def make():
         return packer.stream(packs["wds"], BATCH, num_workers=workers, seed=SEED)
-
-    def labels_of(loader, stop=None):
-        out = []
-        for _, labels in loader:
-            out.append(labels.tolist())
-            if len(out) == stop:
-                break
-        return out
 
     reference = make()
     whole = [labels_of(reference) for _ in range(2)]
