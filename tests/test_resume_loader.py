@@ -21,6 +21,7 @@ from packed_support import FORMATS, free_port
 from PIL import Image
 
 import packer
+from packer.loader import collate
 from packer.sampler import ResumableSampler
 
 WORKER = Path(__file__).with_name("resume_worker.py")
@@ -318,7 +319,7 @@ def test_stateful_dataloader_resumes_exactly(packs, workers):
         ds = packer.open_dataset(packs["wds"])
         sampler = ResumableSampler(ds, batch_size=BATCH, shuffle=True, seed=SEED)
         return StatefulDataLoader(ds, sampler=sampler, batch_size=BATCH, num_workers=workers,
-                                  collate_fn=packer.loader.collate, persistent_workers=workers > 0)
+                                  collate_fn=collate, persistent_workers=workers > 0)
 
     reference = make()
     whole = [batch for _ in range(EPOCHS) for batch in labels_of(reference)]
