@@ -45,7 +45,8 @@ def scenarios(drop_last: bool) -> dict[str, list[dict | None]]:
         **early,
         "last batch": [{"after_batches": nb}, None],  # state taken in the loop, right after the epoch's last batch
         "epoch end": [{"after_epochs": 1}, None],  # state taken after the loop over epoch 0 ended
-        "twice": [{"after_batches": 3}, {"after_batches": nb}, None],  # mid epoch 0, then mid epoch 1
+        # twice in epoch 0 (after 3, then 6 batches), then mid epoch 1
+        "twice in epoch 0, then in epoch 1": [{"after_batches": 3}, {"after_batches": 3}, {"after_batches": nb}, None],
     }
 
 
@@ -143,6 +144,7 @@ def runs(packs, tmp_path_factory):
     launch([elastic["2to1"][0], elastic["1to2"][1]], tmp, "torchrun", ranks=2)
     launch([*segment(1), elastic["2to1"][1]], tmp, "launch1")
     launch(segment(2), tmp, "launch2")
+    launch(segment(3), tmp, "launch3")
     return cases, elastic, augment
 
 
