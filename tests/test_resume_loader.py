@@ -28,6 +28,9 @@ WORKER = Path(__file__).with_name("resume_worker.py")
 COUNT, BATCH, EPOCHS, SEED = 30, 4, 3, 3
 AUGMENT = {"random_resized_crop": 8, "flip": True}
 MODES = ("threads", "workers")
+# with augmentation, the cases that resume inside an epoch or across its end suffice (the others only move the
+# stop point, and the test time)
+AUGMENT_SKIPS = ("batch 1", "last batch")
 LIVENESS = 120  # DataLoader timeout: a hung worker fails the test instead of hanging the session
 
 
@@ -116,6 +119,8 @@ def runs(packs, tmp_path_factory):
     for config in [*configs(False), *(configs(True) if augment else [])]:
         fmt, mode, aug, drop_last = config
         for name, stops in scenarios(drop_last).items():
+            if aug and name in AUGMENT_SKIPS:
+                continue
             tag = "-".join(map(str, (fmt, mode, aug, drop_last, name.replace(" ", "_"))))
             segments = []
             for k, stop in enumerate(stops):
