@@ -108,6 +108,12 @@ class PrefetchLoader(DataLoader):
         self._received = Received(epoch_pass)
         return _CountingIterator(iterator, self._received)
 
+    def __len__(self) -> int:
+        received = self._received  # during a pass: its batches (the prefetching sampler may be done with it)
+        if received is not None and received.batches < received.epoch_pass.batches:
+            return received.epoch_pass.batches
+        return super().__len__()
+
     def _resumable_sampler(self) -> ResumableSampler | None:
         sampler = self.sampler
         if isinstance(sampler, ResumableSampler) and self.batch_size == sampler.batch_size:
