@@ -298,6 +298,18 @@ def test_set_epoch_wins_and_keeps_a_loaded_position_only_for_its_epoch(packs):
     assert [labels.tolist() for _, labels in loader] == epochs[0]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_len_of_a_resumed_pass_is_its_batches_throughout(packs, workers):
+    ds = packer.open_dataset(packs["hdf5"])
+    loader = packer.make_loader(ds, batch_size=BATCH, seed=SEED, num_workers=workers)
+    loader.load_state_dict(dict(loader.state_dict(), samples_seen=3 * BATCH))
+    lengths = [len(loader)]
+    for _ in loader:
+        lengths.append(len(loader))
+    assert lengths[:-1] == [epoch_batches(False) - 3] * (epoch_batches(False) - 3)
+    assert lengths[-1] == epoch_batches(False), "then whole epochs"
+
+
 def test_loader_with_its_own_sampler_says_it_keeps_no_position(packs):
     ds = packer.open_dataset(packs["lmdb"])
     loader = packer.make_loader(ds, batch_size=BATCH, sampler=torch.utils.data.SequentialSampler(ds))
