@@ -8,7 +8,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.LmdbDataset, Hdf5Dataset, WdsDataset, FolderDataset
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
     packer.to_device(loader, "cuda", normalize=(mean, std))
-    packer.stream(dest, batch_size)                 # WebDataset streaming through the webdataset library
+    packer.stream(dest, batch_size)                 # sequential reading of WebDataset shards, resumable
     packer.PackerError                              # base of every error packer raises
 """
 
@@ -27,7 +27,7 @@ _EXPORTS = {
     "LmdbDataset": "packer.formats.lmdb",
     "Hdf5Dataset": "packer.formats.hdf5",
     "WdsDataset": "packer.formats.wds",
-    "stream": "packer.formats.wds",
+    "stream": "packer.streaming",
     "FolderDataset": "packer.folder",
     "make_loader": "packer.loader",
     "to_device": "packer.loader",

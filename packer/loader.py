@@ -13,8 +13,10 @@ Each default and why (every one can be overridden by keyword):
 - ``worker_init_fn``: seeds ``random`` and numpy in each worker from torch's per-worker seed;
 - ``collate_fn``: :func:`collate`, which takes the batch tensor a packed dataset's ``__getitems__`` already
   filled (in shared memory) instead of stacking it again;
-- under ``torch.distributed`` a ``DistributedSampler`` that reshuffles every epoch by itself and pads so that
-  every rank gets the same number of batches.
+- ``sampler``: a :class:`~packer.sampler.ResumableSampler`: one global order per epoch (a permutation from
+  ``(seed, epoch)``), a new one every epoch without ``set_epoch``, dealt to the ranks under ``torch.distributed``
+  and padded as ``DistributedSampler`` does so that every rank gets the same number of batches. The loader's
+  ``state_dict()``/``load_state_dict()`` resume mid-epoch, exactly, at any world size.
 
 Settings tuned by ``packer bench --tune`` (``loader.json`` beside the manifest) are used when present.
 """
@@ -26,14 +28,15 @@ import queue
 import random
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from .errors import PackerError
 from .formats.base import PackedBatch, PackedDataset
+from .sampler import EpochPass, ResumableSampler
 from .system import usable_cores
 
 TUNED = "loader.json"
@@ -47,6 +50,13 @@ def collate(batch: list) -> Any:
     """Return a :class:`PackedBatch`'s tensors as they are; anything else goes to ``default_collate``."""
     if isinstance(batch, PackedBatch):
         return batch.images, batch.labels
+    first = batch[0] if batch else None
+    if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
+        sizes = sorted({tuple(item[0].shape) for item in batch})
+        if len(sizes) > 1:  # torch would say "stack expects each tensor to be equal size", or worse in a worker
+            raise PackerError(f"images in one batch differ in size ({', '.join(map(str, sizes[:3]))}); pass "
+                              "resize= and center_crop= (or random_resized_crop=) to open_dataset so that every "
+                              "image has one size")
     return default_collate(batch)
 
 
@@ -54,23 +64,6 @@ def seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
-
-
-class EpochDistributedSampler(DistributedSampler):
-    """A ``DistributedSampler`` that moves to the next epoch each time it is iterated, so the order changes
-    every epoch without the user calling ``set_epoch`` (an explicit ``set_epoch`` still wins)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._next_epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self._next_epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        super().set_epoch(self._next_epoch)
-        self._next_epoch += 1
-        return super().__iter__()
 
 
 def tuned_settings(dataset: Dataset) -> dict[str, Any]:
@@ -93,17 +86,108 @@ class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, with ``num_workers=0``, makes its batches in a background thread of the main
     process, ``prefetch_batches`` ahead. Packed datasets decode each batch on several threads (decoding and
     copying release the GIL), so this runs as parallel as worker processes without their cost: no process
-    start, and no trip through shared memory for every batch."""
+    start, and no trip through shared memory for every batch.
+
+    With a :class:`~packer.sampler.ResumableSampler` (``make_loader``'s) it also resumes mid-epoch:
+    :meth:`state_dict` is the position after the batches the caller has received (the sampler and the workers
+    run ahead of it), and :meth:`load_state_dict` makes the next iteration the rest of that epoch."""
 
     def __init__(self, *args, prefetch_batches: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefetch_batches = prefetch_batches
+        self._received: Received | None = None  # the latest iteration's pass and the batches handed out of it
 
     def __iter__(self):
+        sampler = self._resumable_sampler()
+        epoch_pass = sampler.next_pass() if sampler is not None else None
         iterator = super().__iter__()
-        if self.num_workers > 0 or self.prefetch_batches <= 0:
+        if self.num_workers == 0 and self.prefetch_batches > 0:
+            iterator = _BackgroundIterator(iterator, self.prefetch_batches)
+        if epoch_pass is None:
             return iterator
-        return _BackgroundIterator(iterator, self.prefetch_batches)
+        self._received = Received(epoch_pass)
+        return _CountingIterator(iterator, self._received)
+
+    def __len__(self) -> int:
+        received = self._received  # during a pass: its batches (the prefetching sampler may be done with it)
+        if received is not None and received.batches < received.epoch_pass.batches:
+            return received.epoch_pass.batches
+        return super().__len__()
+
+    def _resumable_sampler(self) -> ResumableSampler | None:
+        sampler = self.sampler
+        if isinstance(sampler, ResumableSampler) and self.batch_size == sampler.batch_size:
+            return sampler
+        return None
+
+    def _require_resumable(self) -> ResumableSampler:
+        sampler = self._resumable_sampler()
+        if sampler is None:
+            raise ValueError(f"this loader's sampler ({type(self.sampler).__name__}, batch_size={self.batch_size})"
+                             " keeps no position; use make_loader without sampler= or batch_sampler= to resume")
+        return sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: ``{epoch, samples_seen (globally, over all ranks), world_size, ...}``, the same
+        on every rank. JSON-serialisable, under 1 KB, and cheap enough to take every step.
+
+        Returns:
+            A dict for :meth:`load_state_dict`, in this process or a new one, at this or another world size.
+        """
+        sampler = self._require_resumable()
+        received = self._received
+        if received is None:
+            return sampler.state_dict()
+        return received.epoch_pass.state(received.batches * self.batch_size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration the rest of the epoch ``state`` was taken in (the samples no rank has received
+        yet, dealt over this world size); the iterations after it are whole epochs.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: (one line) ``state`` was taken with another batch_size, seed, shuffle, drop_last or
+                dataset length.
+        """
+        self._require_resumable().load_state_dict(state)
+        self._received = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (each iteration moves to the next epoch by itself)."""
+        self._require_resumable().set_epoch(epoch)
+        self._received = None
+
+
+class Received:
+    """The pass an iteration makes and how many batches the caller has received from it."""
+
+    __slots__ = ("epoch_pass", "batches")
+
+    def __init__(self, epoch_pass: EpochPass):
+        self.epoch_pass = epoch_pass
+        self.batches = 0
+
+
+class _CountingIterator:
+    """Counts the batches handed to the caller. The loader holds the count, not this iterator, so dropping the
+    iterator still ends the prefetch thread."""
+
+    def __init__(self, iterator, received: Received):
+        self.iterator = iterator
+        self.received = received
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.received.batches += 1
+        return batch
+
+    def __len__(self) -> int:
+        return self.received.epoch_pass.batches
 
 
 class _BackgroundIterator:
@@ -155,8 +239,11 @@ class _BackgroundIterator:
 
 
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
-                drop_last: bool = False, **overrides: Any) -> DataLoader:
+                drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
     """A ``torch.utils.data.DataLoader`` over ``dataset`` with the defaults above; ``overrides`` win.
+
+    The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart make the same
+    loader and call ``loader.load_state_dict(state)``; the next iteration is the rest of the interrupted epoch.
 
     For packer's datasets, unless ``num_workers`` is given, batches are decoded in the main process on one
     thread per usable core and prefetched in the background (:class:`PrefetchLoader`); batches are allocated
@@ -178,18 +265,15 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         if workers == 0 and cuda and overrides.get("pin_memory", True):
             dataset.pin_memory = True  # the batch is made in pinned memory: no second copy to pin it
             settings["pin_memory"] = False
-    if "sampler" not in overrides and "batch_sampler" not in overrides:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            settings["sampler"] = EpochDistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        elif shuffle:
-            settings["sampler"] = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    if "sampler" not in overrides and "batch_sampler" not in overrides and not isinstance(dataset, IterableDataset):
+        settings["sampler"] = ResumableSampler(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                               drop_last=drop_last)
     settings.update(overrides)
     if settings.get("batch_sampler") is not None:
         for key in ("batch_size", "drop_last", "sampler"):
             settings.pop(key, None)
-    if settings["num_workers"] == 0:
-        return PrefetchLoader(dataset, prefetch_batches=tuned.get("prefetch_factor", 4), **settings)
-    return DataLoader(dataset, **settings)
+    prefetch = tuned.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
+    return PrefetchLoader(dataset, prefetch_batches=prefetch, **settings)
 
 
 class DeviceLoader:

@@ -9,6 +9,13 @@ ranks, with no ``set_epoch`` call to forward to workers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
 
 class EpochIndex(int):
     """An ``int`` sample index that also carries ``epoch``. Anything that treats it as an int still works; a
@@ -26,3 +33,178 @@ class EpochIndex(int):
 
     def __repr__(self) -> str:
         return f"EpochIndex({int(self)}, epoch={self.epoch})"
+
+
+STATE_VERSION = 1
+# what a state must agree on with the loader that loads it: anything else changes the order or the batches
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length")
+
+
+def distributed_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size under ``torch.distributed``, else ``(0, 1)``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+@dataclass(frozen=True)
+class EpochPass:
+    """One pass of a :class:`ResumableSampler`: the part of epoch ``epoch``'s global order that starts at
+    position ``start`` (0 for a whole epoch, later after a resume), dealt to ``world`` ranks in turn.
+
+    The global order is a permutation of the dataset from ``(seed, epoch)`` (``0..N-1`` without shuffle); past
+    its end it wraps around, which pads the ranks as ``DistributedSampler`` does. Rank r reads positions
+    ``start + r``, ``start + r + world``... so after every rank has taken k batches of B, the samples taken are
+    exactly the positions before ``start + k * B * world``: one global number, valid at any world size."""
+
+    epoch: int
+    start: int
+    world: int
+    rank: int
+    length: int
+    batch_size: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+
+    @property
+    def per_rank(self) -> int:
+        """Samples each rank takes in this pass (the same on every rank)."""
+        remaining = max(self.length - self.start, 0)
+        if self.drop_last:  # whole batches only, and only real samples: as DistributedSampler + drop_last
+            return remaining // self.world // self.batch_size * self.batch_size
+        return -(-remaining // self.world)
+
+    @property
+    def batches(self) -> int:
+        return -(-self.per_rank // self.batch_size)
+
+    def order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.length)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation for this epoch
+        return torch.randperm(self.length, generator=generator)
+
+    def indices(self) -> list[int]:
+        """This rank's sample indices for the pass, in order."""
+        if self.per_rank == 0:
+            return []
+        positions = torch.arange(self.per_rank) * self.world + (self.start + self.rank)
+        return self.order()[positions % self.length].tolist()
+
+    def state(self, taken: int) -> dict[str, Any]:
+        """The state after each rank has taken ``taken`` samples of this pass. A finished pass is the start of the
+        next epoch, so a state saved after the last batch never resumes into an empty or a repeated epoch."""
+        if taken >= self.per_rank:
+            epoch, position = self.epoch + 1, 0
+        else:
+            epoch, position = self.epoch, self.start + taken * self.world
+        return make_state(epoch, position, self.world, self)
+
+
+def make_state(epoch: int, position: int, world: int, settings: Any) -> dict[str, Any]:
+    return {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
+            "batch_size": settings.batch_size, "seed": settings.seed, "shuffle": settings.shuffle,
+            "drop_last": settings.drop_last, "dataset_length": settings.length}
+
+
+def check_state(state: Any, settings: Any) -> tuple[int, int]:
+    """The ``(epoch, samples_seen)`` of a saved state, after checking that it was taken with the same settings.
+
+    Raises:
+        ValueError: (one line) the state is not a packer loader state, or names which setting differs."""
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "samples_seen" not in state:
+        raise ValueError(f"not a packer loader state (version {STATE_VERSION}): {str(state)[:200]}")
+    mine = make_state(0, 0, 1, settings)
+    for key in _MUST_MATCH:
+        if state.get(key) != mine[key]:
+            raise ValueError(f"the loader state was saved with {key}={state.get(key)!r}, this loader has "
+                             f"{key}={mine[key]!r}; resume with the same {key}")
+    epoch, position = int(state["epoch"]), int(state["samples_seen"])
+    if epoch < 0 or not 0 <= position <= settings.length:
+        raise ValueError(f"the loader state has epoch {epoch}, samples_seen {position} (dataset of "
+                         f"{settings.length}); it is damaged")
+    return epoch, position
+
+
+class ResumableSampler(Sampler[EpochIndex]):
+    """A sampler whose whole state is ``{epoch, samples seen globally}``, for exact mid-epoch resumes.
+
+    Each epoch has one global order (a permutation from ``(seed, epoch)``, or ``0..N-1`` without shuffle);
+    ranks take its positions in turn, padded (or with ``drop_last``, cut to whole batches) so that every rank
+    gets the same number of batches, as ``DistributedSampler`` + ``DataLoader(drop_last=...)`` do. Each
+    iteration is the next epoch, without ``set_epoch`` (which still wins when called), and every index is an
+    :class:`EpochIndex`, so the dataset knows the epoch also in persistent worker processes.
+
+    ``state_dict``/``load_state_dict`` follow the protocol of ``torchdata``'s ``StatefulDataLoader``: the state
+    counts the samples this sampler has yielded. A loaded state makes the next iteration the rest of that epoch,
+    split over this world size; the iterations after it are whole epochs.
+
+    Args:
+        data_source: the dataset, or its length.
+        batch_size: the loader's batch size: with ``drop_last`` each rank gets whole batches only.
+        shuffle: a new permutation every epoch, else dataset order.
+        seed: the permutations' seed; the same on every rank.
+        drop_last: drop the last partial batch of every rank (no padding with repeated samples).
+        num_replicas, rank: the world size and this rank; from ``torch.distributed`` when initialized, else 1, 0.
+    """
+
+    def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None):
+        self.length = data_source if isinstance(data_source, int) else len(data_source)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        dist_rank, dist_world = distributed_rank_world()
+        self.world = dist_world if num_replicas is None else num_replicas
+        self.rank = dist_rank if rank is None else rank
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world}")
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self._next_epoch = 0
+        self._resume_at = 0  # where the next pass starts in the global order: not 0 after a load_state_dict
+        self._current: EpochPass | None = None
+        self._yielded = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch``. A loaded mid-epoch position is kept only for its own epoch."""
+        if epoch != self._next_epoch:
+            self._resume_at = 0
+        self._next_epoch = epoch
+
+    def next_pass(self) -> EpochPass:
+        """The pass the next iteration will make (nothing changes until it starts)."""
+        return EpochPass(self._next_epoch, self._resume_at, self.world, self.rank, self.length, self.batch_size,
+                         self.seed, self.shuffle, self.drop_last)
+
+    def __len__(self) -> int:
+        current = self._current
+        if current is not None and self._yielded < current.per_rank:
+            return current.per_rank
+        return self.next_pass().per_rank
+
+    def __iter__(self) -> Iterator[EpochIndex]:
+        # a generator: torchdata makes (and drops) iterators while it restores a state, and only the one that
+        # is iterated may start the pass
+        epoch_pass = self.next_pass()
+        self._next_epoch, self._resume_at = epoch_pass.epoch + 1, 0
+        self._current, self._yielded = epoch_pass, 0
+        for index in epoch_pass.indices():
+            self._yielded += 1
+            yield EpochIndex(index, epoch_pass.epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the samples this sampler has yielded (JSON-serialisable, a few hundred bytes)."""
+        current = self._current
+        if current is not None and self._yielded < current.per_rank:
+            return current.state(self._yielded)
+        return make_state(self._next_epoch, self._resume_at, self.world, self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration the rest of ``state``'s epoch, dealt over this sampler's world size.
+
+        Raises:
+            ValueError: the state was taken with another batch_size, seed, shuffle, drop_last or dataset length.
+        """
+        self._next_epoch, self._resume_at = check_state(state, self)
+        self._current = None

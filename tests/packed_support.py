@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -119,3 +120,10 @@ def digest(image) -> str:
     """A content hash of an image tensor, to recognise a sample in a shuffled batch."""
     t = image.contiguous()
     return hashlib.sha1(t.numpy().tobytes() + str(tuple(t.shape)).encode()).hexdigest()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for torchrun's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

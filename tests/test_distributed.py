@@ -7,14 +7,13 @@ import collections
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from packed_support import FORMATS
+from packed_support import FORMATS, free_port
 from PIL import Image
 
 import packer
@@ -22,12 +21,6 @@ import packer
 WORKER = Path(__file__).with_name("dist_worker.py")
 COUNT = 101  # odd: the sampler pads one rank with a repeated sample
 BATCH, WORLD = 8, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

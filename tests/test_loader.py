@@ -17,9 +17,10 @@ import psutil
 import pytest
 import torch
 from packed_support import FORMATS, MEAN, STD, digest, packed
-from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 import packer
+from packer.sampler import ResumableSampler
 from packer.system import usable_cores
 
 BATCH = 16
@@ -368,8 +369,9 @@ def test_make_loader_defaults_for_any_dataset():
     assert loader.persistent_workers == (loader.num_workers > 0)
     if loader.num_workers:
         assert loader.prefetch_factor == 4
-    assert isinstance(loader.sampler, RandomSampler)
-    assert isinstance(packer.make_loader(data, shuffle=False).sampler, SequentialSampler)
+    assert isinstance(loader.sampler, ResumableSampler) and loader.sampler.shuffle
+    in_order = packer.make_loader(data, shuffle=False, batch_size=10, num_workers=0)
+    assert [batch.tolist() for (batch,) in in_order] == [list(range(i, i + 10)) for i in range(0, 100, 10)]
     values = sorted(int(v) for (batch,) in packer.make_loader(data, batch_size=32, num_workers=0) for v in batch)
     assert values == list(range(100))
 
@@ -392,7 +394,7 @@ def test_make_loader_overrides_win(pack):
                                 pin_memory=False, prefetch_factor=2)
     assert (loader.batch_size, loader.num_workers, loader.persistent_workers, loader.pin_memory,
             loader.prefetch_factor) == (5, 1, False, False, 2)
-    assert isinstance(loader.sampler, SequentialSampler)
+    assert not loader.sampler.shuffle
     assert [labels.tolist() for _, labels in loader][:2] == [[ds[i][1] for i in range(5)],
                                                              [ds[i][1] for i in range(5, 10)]]
     none = packer.make_loader(TensorDataset(torch.arange(10)), num_workers=0)
@@ -425,3 +427,12 @@ def test_loader_labels_match_imagefolder(pack, sample_data, reference_scan):
         expected = [class_to_idx[ds.relpath(i).split("/")[0]] for i in range(len(ds))]
         assert labels.tolist() == expected
         assert collections.Counter(expected) == collections.Counter({i: 30 for i in range(5)})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_images_of_different_sizes_name_the_fix(pack, workers):
+    ds = packer.open_dataset(pack("lmdb", "raw_var"))
+    loader = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=workers)
+    with pytest.raises(packer.PackerError, match=r"images in one batch differ in size \(.*\); pass resize= and "
+                                                 r"center_crop= \(or random_resized_crop=\) to open_dataset"):
+        next(iter(loader))

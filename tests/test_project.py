@@ -74,11 +74,17 @@ def test_environment_yml_parses(environment):
 
 
 def test_environment_matches_pyproject_dependencies(environment, pyproject):
-    wanted = {}
-    for req in pyproject["project"]["dependencies"]:
-        r = Requirement(req)
-        wanted[r.name.lower()] = r.specifier
-    assert environment_packages(environment) == wanted
+    """environment.yml has every dependency with pyproject's specifier; anything more comes from the dev extra,
+    with the same specifier."""
+    def specs(requirements: list[str]) -> dict[str, SpecifierSet]:
+        return {Requirement(r).name.lower(): Requirement(r).specifier for r in requirements}
+
+    wanted = specs(pyproject["project"]["dependencies"])
+    dev = specs(pyproject["project"]["optional-dependencies"]["dev"])
+    listed = environment_packages(environment)
+    assert {name: spec for name, spec in listed.items() if name in wanted} == wanted
+    extra = {name: spec for name, spec in listed.items() if name not in wanted}
+    assert extra == {name: dev.get(name) for name in extra}, "only dev-extra packages, with the same specifier"
 
 
 def test_environment_python_satisfies_requires_python(environment, pyproject):

@@ -408,22 +408,36 @@ def test_stream_in_order_covers_every_sample_once(wds_lookup, store, workers):
 
 
 @pytest.mark.parametrize("store", ["raw", "jpeg_fixed"])
-def test_stream_shuffled_gives_full_batches_of_real_samples(wds_lookup, store):
+def test_stream_shuffled_gives_every_sample_once_per_epoch(wds_lookup, store):
     path, table = wds_lookup[store]
     loader = packer.stream(path, 16)
     epochs = stream_samples(loader)
     orders = []
     for batches in epochs:
-        assert len(batches) == len(table) // 16
+        assert len(batches) == len(loader)
         order = []
         for images, labels in batches:
-            assert images.shape == (16, *SHAPES[store]) and images.dtype == torch.uint8
+            assert images.shape[1:] == SHAPES[store] and images.dtype == torch.uint8 and len(images) <= 16
             assert labels.tolist() == [table[digest(image)] for image in images]
             order += [digest(image) for image in images]
+        assert sorted(order) == sorted(table), "every sample exactly once per epoch"
         orders.append(order)
-        # resampled shards: a sample can repeat, but most of the data shows up in an epoch
-        assert len(set(order)) > len(table) // 3
-    assert orders[0] != orders[1]
+    assert orders[0] != orders[1], "reshuffled every epoch"
+    full = packer.stream(path, 16, drop_last=True, num_workers=0)
+    assert [len(labels) for _, labels in full] == [16] * (len(table) // 16)
+
+
+def test_stream_batch_larger_than_the_dataset_gives_each_sample_once(wds_lookup):
+    path, table = wds_lookup["raw"]
+    loader = packer.stream(path, 1000, num_workers=0)
+    for batches in stream_samples(loader):
+        assert [len(labels) for _, labels in batches] == [len(table)]
+
+
+def test_stream_of_a_dataset_without_shards_says_what_to_use(pack):
+    with pytest.raises(packer.PackerError, match=r"packer.stream reads WebDataset shards, and this lmdb dataset "
+                                                 r"has none; read it with packer.open_dataset and packer.make_loader"):
+        packer.stream(pack("lmdb", "raw"), 16)
 
 
 def test_stream_npy_members_are_plain_numpy(pack):

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import CorruptDataError, PackerError, warn
 from ..manifest import file_entry, fsync_dir
-from ..transforms import Encoded, decode
+from ..transforms import Encoded
 from .base import PackedDataset, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
 
@@ -470,47 +470,6 @@ class WdsDataset(PackedDataset):
             if shard < len(self.shard_paths):
                 return f"{self.shard_paths[shard]} sample {index}"
         return f"{self.root} sample {index}"
-
-
-def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
-           seed: int = 0, mode: str = "RGB"):
-    """A streaming loader through the ``webdataset`` library: shards shuffled, split by node (rank) and by
-    worker, resampled so that every rank gets the same number of batches per epoch (``len(dataset) //
-    (world_size * batch_size)``). Yields ``(images, labels)`` with images uint8 NHWC -> NCHW tensors."""
-    import torch
-    import webdataset as wds
-
-    from ..loader import default_workers
-    from ..manifest import read_manifest
-
-    root = Path(root)
-    manifest = read_manifest(root)
-    urls = [str(root / s["path"]) for s in manifest["shards"]]
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    workers = default_workers() if num_workers is None else num_workers
-    batches = max(1, manifest["count"] // (world * batch_size))
-
-    def to_sample(sample: dict) -> tuple:
-        ext = next(e for e in IMAGE_EXTS if e in sample)
-        if ext == "npy":
-            try:
-                arr = np.load(io.BytesIO(sample[ext]), allow_pickle=False)  # never unpickles
-            except ValueError as exc:
-                raise CorruptDataError(f"{sample.get('__url__', root)} sample {sample.get('__key__', '?')}: "
-                                       f"not a plain .npy array ({exc}); re-pack") from None
-        else:
-            arr = decode(sample[ext], mode, sample.get("__key__", "?"))
-        return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1), int(sample["cls"])
-
-    # shardshuffle=False: resampling already draws shards at random (None only makes webdataset warn)
-    pipeline = wds.WebDataset(urls, resampled=shuffle, shardshuffle=False,
-                              nodesplitter=None if shuffle else wds.split_by_node, seed=seed, empty_check=False)
-    if shuffle:
-        pipeline = pipeline.shuffle(1000, seed=seed)
-    # in order (evaluation), keep each worker's last, partial batch: every sample once
-    pipeline = pipeline.map(to_sample).batched(batch_size, partial=not shuffle)
-    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers)
-    return loader.with_epoch(batches) if shuffle else loader
 
 
 register("wds", WdsWriter, WdsDataset)

@@ -1,0 +1,272 @@
+"""``packer.stream``: sequential reading of a packed dataset's WebDataset shards, resumable mid-epoch.
+
+Each epoch deals the shards (shuffled from ``(seed, epoch)``) to the ranks in turn, and each rank's shards to its
+streams (one per worker process) in turn. A stream reads its shards in order, through a shuffle buffer seeded
+from ``(seed, epoch, rank, stream)``, and makes batches. The DataLoader hands the streams' batches out in turn
+(skipping a stream that has ended), so the k-th batch of an epoch is a pure function of the settings and k: the
+state is ``{epoch, batches}``, and a resumed epoch replays, without decoding, what its shards gave before.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .errors import CorruptDataError, PackerError
+from .formats.wds import IMAGE_EXTS
+from .loader import default_workers
+from .manifest import read_manifest
+from .sampler import STATE_VERSION, distributed_rank_world
+from .transforms import decode
+
+# settings a stream state must share with the stream that loads it: they fix which batch comes when
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
+
+
+def shard_samples(path: Path) -> Iterator[tuple[str, bytes, str, int]]:
+    """``(key, image bytes, image extension, label)`` of each sample of a shard, read sequentially."""
+    key, members = None, {}
+    try:
+        with tarfile.open(path, "r|") as tar:
+            for member in tar:
+                if not member.isfile() or "." not in member.name:
+                    continue
+                name, ext = member.name.split(".", 1)
+                if name != key and key is not None:
+                    yield sample_of(path, key, members)
+                    members = {}
+                key = name
+                members[ext.lower()] = tar.extractfile(member).read()
+    except (OSError, tarfile.TarError) as exc:
+        raise PackerError(f"{path}: damaged tar shard ({exc}); run `packer verify`") from None
+    if key is not None:
+        yield sample_of(path, key, members)
+
+
+def sample_of(path: Path, key: str, members: dict[str, bytes]) -> tuple[str, bytes, str, int]:
+    ext = next((e for e in IMAGE_EXTS if e in members), None)
+    if ext is None or "cls" not in members:
+        raise PackerError(f"{path}: sample {key} has no image or no .cls label; run `packer verify`")
+    return key, members[ext], ext, int(members["cls"])
+
+
+def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
+    """``items`` through a shuffle buffer of ``size``: once it is full, a random one out for each one read."""
+    buffer: list = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        k = int(rng.integers(len(buffer)))
+        yield buffer[k]
+        buffer[k] = item
+    while buffer:
+        k = int(rng.integers(len(buffer)))
+        buffer[k], buffer[-1] = buffer[-1], buffer[k]
+        yield buffer.pop()
+
+
+class StreamPlan:
+    """One epoch of this rank: the shards each of its streams reads, and the batches each makes."""
+
+    def __init__(self, shards: list[tuple[Path, int]], epoch: int, settings: dict[str, Any], rank: int, world: int):
+        order = list(range(len(shards)))
+        if settings["shuffle"]:
+            generator = torch.Generator().manual_seed(settings["seed"] + epoch)
+            order = torch.randperm(len(shards), generator=generator).tolist()
+        streams = max(settings["workers"], 1)
+        size = settings["batch_size"]
+
+        def batches(count: int) -> int:
+            return count // size if settings["drop_last"] else math.ceil(count / size)
+
+        every = [[shards[i] for i in order[r::world][s::streams]] for r in range(world) for s in range(streams)]
+        per_stream = [batches(sum(n for _, n in stream)) for stream in every]
+        self.epoch, self.rank = epoch, rank
+        self.shards = every[rank * streams:(rank + 1) * streams]
+        self.stream_batches = per_stream[rank * streams:(rank + 1) * streams]
+        # every rank stops after the fewest batches any rank has, so that all ranks take as many steps
+        self.batches = min(sum(per_stream[r * streams:(r + 1) * streams]) for r in range(world))
+
+    def taken(self, batches: int) -> list[int]:
+        """How many batches each stream has made when ``batches`` have been handed out (in turn, skipping the
+        streams that have ended)."""
+        taken = [0] * len(self.stream_batches)
+        left = min(batches, sum(self.stream_batches))
+        while left > 0:
+            for s, total in enumerate(self.stream_batches):
+                if left > 0 and taken[s] < total:
+                    taken[s] += 1
+                    left -= 1
+        return taken
+
+
+class ShardStreams(IterableDataset):
+    """This rank's streams for one epoch; each worker process (or the main process) runs one. The first
+    ``skip[s]`` batches of stream ``s`` are replayed without decoding. The first worker runs stream ``first``,
+    so that a resumed epoch hands the streams' batches out in the uninterrupted epoch's turn."""
+
+    def __init__(self, settings: dict[str, Any], mode: str, buffer: int):
+        self.settings, self.mode, self.buffer = settings, mode, buffer
+        self.plan: StreamPlan | None = None
+        self.skip: list[int] = []
+        self.first = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        stream = (self.first + (info.id if info is not None else 0)) % len(self.plan.shards)
+        return self._batches(stream)
+
+    def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        plan, settings = self.plan, self.settings
+        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path))
+        if settings["shuffle"]:
+            rng = np.random.default_rng([settings["seed"], plan.epoch, plan.rank, stream])
+            samples = buffer_shuffled(samples, self.buffer, rng)
+        size = settings["batch_size"]
+        skip, batch = self.skip[stream] * size, []
+        for n, sample in enumerate(samples):
+            if n < skip:
+                continue
+            batch.append(sample)
+            if len(batch) == size:
+                yield self._decode(batch)
+                batch = []
+        if batch and not settings["drop_last"]:
+            yield self._decode(batch)
+
+    def _decode(self, batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+        arrays = []
+        for key, data, ext, _ in batch:
+            if ext == "npy":
+                try:
+                    arr = np.load(io.BytesIO(data), allow_pickle=False)  # never unpickles
+                except ValueError as exc:
+                    raise CorruptDataError(f"{key}: not a plain .npy array ({exc}); re-pack") from None
+                arrays.append(arr[..., None] if arr.ndim == 2 else arr)
+            else:
+                arrays.append(decode(data, self.mode, key))
+        shapes = sorted({a.shape for a in arrays})
+        if len(shapes) > 1:
+            raise PackerError(f"images in one batch differ in size ({', '.join(map(str, shapes[:3]))}); "
+                              "packer.stream needs one size: pack with --resize and --center-crop, or read with "
+                              "packer.open_dataset(resize=, center_crop=) and packer.make_loader")
+        images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
+        return images, torch.tensor([label for *_, label in batch], dtype=torch.int64)
+
+
+class StreamLoader:
+    """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
+    at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
+
+    def __init__(self, shards: list[tuple[Path, int]], settings: dict[str, Any], mode: str, buffer: int):
+        self.shards = shards
+        self.rank, self.world = distributed_rank_world()
+        self.settings = dict(settings, world_size=self.world)
+        self.dataset = ShardStreams(self.settings, mode, buffer)
+        self.epoch, self.resume_at = 0, 0
+        self._received: tuple[StreamPlan, int, list[int]] | None = None  # the pass, its start, batches handed out
+
+    def _plan(self) -> StreamPlan:
+        return StreamPlan(self.shards, self.epoch, self.settings, self.rank, self.world)
+
+    def __len__(self) -> int:
+        return self._plan().batches - self.resume_at
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch``; a loaded mid-epoch position is kept only for its own epoch."""
+        if epoch != self.epoch:
+            self.resume_at = 0
+        self.epoch = epoch
+        self._received = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        plan, start = self._plan(), self.resume_at
+        self.epoch, self.resume_at = plan.epoch + 1, 0
+        received = [0]
+        self._received = (plan, start, received)
+        taken = plan.taken(start)
+        going = [s for s, t in enumerate(taken) if t < plan.stream_batches[s]]
+        rounds = min((taken[s] for s in going), default=0)
+        self.dataset.plan, self.dataset.skip = plan, taken
+        self.dataset.first = next((s for s in going if taken[s] == rounds), 0)  # whose turn it is
+        return self._handed_out(plan, start, received)
+
+    def _handed_out(self, plan: StreamPlan, start: int, received: list[int]) -> Iterator:
+        workers = self.settings["workers"]
+        loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
+                            prefetch_factor=4 if workers else None)
+        for batch in loader:
+            if start + received[0] >= plan.batches:
+                break
+            received[0] += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{epoch, batches (handed out in that epoch), settings}``, JSON-serialisable. After an epoch's last
+        batch it is the start of the next epoch."""
+        if self._received is None:
+            epoch, batches = self.epoch, self.resume_at
+        else:
+            plan, start, received = self._received
+            epoch, batches = plan.epoch, start + received[0]
+            if batches >= plan.batches:
+                epoch, batches = epoch + 1, 0
+        return {"version": STATE_VERSION, "kind": "stream", "epoch": epoch, "batches": batches, **self.settings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration the rest of ``state``'s epoch.
+
+        Raises:
+            ValueError: (one line) not a stream state, or one taken with other settings (it names which).
+        """
+        if not isinstance(state, dict) or state.get("kind") != "stream" or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a packer.stream state (version {STATE_VERSION}): {str(state)[:200]}")
+        for key in _MUST_MATCH:
+            if state.get(key) != self.settings[key]:
+                raise ValueError(f"the stream state was saved with {key}={state.get(key)!r}, this stream has "
+                                 f"{key}={self.settings[key]!r}; resume with the same {key}")
+        self.epoch, self.resume_at = int(state["epoch"]), int(state["batches"])
+        self._received = None
+
+
+def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
+           seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000) -> StreamLoader:
+    """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW).
+
+    Every sample comes once per epoch on one rank; shards are reshuffled every epoch and samples mixed through a
+    shuffle buffer. Under ``torch.distributed`` each rank reads its own shards, and every rank stops after the
+    fewest batches any rank has, so that all take the same number of steps.
+
+    Args:
+        root: a dataset packed with ``--format wds``.
+        batch_size: samples per batch; each stream's last batch may be smaller, unless ``drop_last``.
+        shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (with one stream).
+        num_workers: worker processes, each reading its own shards (default: the usable cores; 0: this process).
+        seed: the shuffles' seed, the same on every rank.
+        mode: the PIL mode images are decoded to.
+        drop_last: drop each stream's last partial batch.
+        buffer: samples in each stream's shuffle buffer.
+
+    Returns:
+        A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
+    """
+    root = Path(root)
+    manifest = read_manifest(root)
+    if not manifest.get("shards"):
+        raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
+                          "dataset has none; read it with packer.open_dataset and packer.make_loader")
+    shards = [(root / s["path"], int(s["count"])) for s in manifest["shards"]]
+    workers = default_workers() if num_workers is None else num_workers
+    settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+                "dataset_length": int(manifest["count"]), "workers": workers}
+    return StreamLoader(shards, settings, mode, buffer)

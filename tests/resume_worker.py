@@ -1,0 +1,81 @@
+"""One process of a resume test (test_resume_loader.py): ``resume_worker.py JOBS.json``, run plainly or under
+``torchrun``. Each job makes ``packer.make_loader`` over a dataset, loads a saved state (if any), iterates up to
+a stop point or to the end of epoch ``epochs - 1``, saves the state there and writes what it saw.
+
+A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_loader}, "epochs",
+"state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null, "state_out", "out"}``.
+Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels, indices]...], "state",
+"states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in the dataset opened
+without augmentation (None when a sample is not found there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import packer
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha1(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def run(job: dict, rank: int, world: int) -> None:
+    plain = packer.open_dataset(job["path"])
+    table = {digest(plain[i][0]): i for i in range(len(plain))}
+    ds = packer.open_dataset(job["path"], **job["open"])
+    loader = packer.make_loader(ds, **job["loader"])
+    start = 0
+    if job["state_in"]:
+        with open(job["state_in"], encoding="utf-8") as f:
+            state = json.load(f)
+        loader.load_state_dict(state)
+        start = state["epoch"]
+    stop = job["stop"] or {}
+    batches, lengths, done = [], [], False
+    for epoch in range(start, job["epochs"]):
+        lengths.append(len(loader))
+        for images, labels in loader:
+            batches.append([epoch, digest(images), labels.tolist(), [table.get(digest(im)) for im in images]])
+            if len(batches) == stop.get("after_batches"):
+                done = True
+                break
+        if done or epoch + 1 - start == stop.get("after_epochs"):
+            break
+    state = loader.state_dict()
+    states_equal = True
+    if world > 1:
+        states = [None] * world
+        dist.all_gather_object(states, state)
+        states_equal = all(s == state for s in states)
+    if job["state_out"] and rank == 0:
+        with open(job["state_out"], "w", encoding="utf-8") as f:
+            json.dump(state, f)
+    with open(job["out"].format(rank=rank), "w", encoding="utf-8") as f:
+        json.dump({"batches": batches, "state": state, "states_equal": states_equal, "world": world,
+                   "lengths": lengths}, f)
+
+
+def main() -> None:
+    with open(sys.argv[1], encoding="utf-8") as f:
+        jobs = json.load(f)
+    distributed = "RANK" in os.environ  # under torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    for job in jobs:
+        run(job, rank, world)
+        if distributed:
+            dist.barrier()
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
