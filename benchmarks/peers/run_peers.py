@@ -63,12 +63,13 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("packer", "packer_rows.py"),
     Peer("folder", "folder_pil.py"),
     Peer("torchvision", "tv_imagefolder.py", [TORCHVISION]),
-    Peer("datasets", "hf_datasets.py", [TORCH, ["datasets==5.2.0"]]),
+    # the training rows use torchvision's RandomResizedCrop, as the library's users would: torch 2.14.1 + torchvision
+    Peer("datasets", "hf_datasets.py", [TORCHVISION, ["datasets==5.2.0"]]),
     # Streaming 0.13 pulls torchvision (and an older huggingface-hub than datasets 5): its own venv, torch 2.14.1
     Peer("streaming", "mosaic_streaming.py", [TORCHVISION, ["mosaicml-streaming==0.13.0"]]),
     # LitData decodes images with torchvision, whose PyPI wheels do not load beside the CPU torch 2.13
     Peer("litdata", "lit_data.py", [TORCHVISION, ["litdata==0.2.76"]]),
-    Peer("webdataset", "wds_official.py", [TORCH, ["webdataset==1.0.2"]]),
+    Peer("webdataset", "wds_official.py", [TORCHVISION, ["webdataset==1.0.2"]]),
     # FFCV has no wheels: pip builds it against OpenCV and libjpeg-turbo (pkg-config finds them); it imports
     # Pillow without declaring it (in BASE)
     Peer("ffcv", "ffcv_beton.py", [TORCH, ["ffcv==1.0.2"]],
