@@ -35,8 +35,8 @@ import argparse
 import ctypes
 import json
 import mmap
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import threading

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from _common import CROP, RESIZE, Variant, main, package_versions, source_root
+from packer_rows import check  # noqa: F401 - the same check: the training row needs packer's RRC (issue 10)
 
 TOOL = "ImageFolder stand-in"
 VARIANTS = [Variant("FolderDataset(pil)/workers", "source", {"notes": "reads the source folder"}, pipeline)
@@ -21,14 +22,6 @@ VARIANTS = [Variant("FolderDataset(pil)/workers", "source", {"notes": "reads the
 
 def versions() -> dict[str, str]:
     return package_versions("packer", "torch", "pillow")
-
-
-def check(variant: Variant) -> None:
-    """The training row needs packer's read-time RandomResizedCrop (issue 10)."""
-    import packer
-
-    if variant.pipeline == "train" and not hasattr(packer.PackedDataset, "augment_params"):
-        raise NotImplementedError("not supported yet: this packer has no random_resized_crop= (issue 10)")
 
 
 def pack(variant: Variant, samples: list, classes: list, dest: Path) -> Path:

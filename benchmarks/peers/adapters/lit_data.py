@@ -80,7 +80,8 @@ class _Train:
 def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
     import litdata
 
-    ds = litdata.StreamingDataset(str(data), shuffle=True, transform=_Train() if variant.pipeline == "train" else _ToPil())
+    per_item = _Train() if variant.pipeline == "train" else _ToPil()
+    ds = litdata.StreamingDataset(str(data), shuffle=True, transform=per_item)
     return litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
                                        persistent_workers=workers > 0)
 

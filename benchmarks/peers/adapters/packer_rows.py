@@ -67,9 +67,9 @@ def versions() -> dict[str, str]:
 
 def check(variant: Variant) -> None:
     """Training rows need packer's read-time RandomResizedCrop (issue 10); say so before packing anything."""
-    import packer
+    from packer.formats import PackedDataset
 
-    if variant.pipeline == "train" and not hasattr(packer.PackedDataset, "augment_params"):
+    if variant.pipeline == "train" and not hasattr(PackedDataset, "augment_params"):
         raise NotImplementedError("not supported yet: this packer has no open_dataset(random_resized_crop=..., "
                                   "flip=..., seed=...) (issue 10)")
 
