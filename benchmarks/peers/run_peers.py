@@ -189,7 +189,8 @@ def run_adapter(peer: Peer, python: str, args: argparse.Namespace, log: Path) ->
     if args.variants:
         cmd += ["--variants", args.variants]
     env = {**os.environ, **peer.env, "PACKER_PEER_FORMATS": ",".join(args.packer_formats)}
-    env.pop("PYTHONPATH", None)  # a venv must see only its own packages
+    if peer.steps:
+        env.pop("PYTHONPATH", None)  # a venv must see only its own packages; packer's rows keep this interpreter's
     code = _run_group(cmd, log, env, args.peer_timeout)
     rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
     if not args.keep_packed:

@@ -47,8 +47,8 @@ def _variants() -> list[Variant]:
                                         {"format": fmt, "store": store, "loader": loader, "work": WORK[store],
                                          "geometry": geometry}))
         variants.append(Variant(f"{fmt}/original/{FAST_DECODER}/threads", f"{fmt}-original",
-                                {"format": fmt, "store": "original", "loader": "threads", "work": "decode+resize",
-                                 "geometry": {}, "decoder": FAST_DECODER,
+                                {"format": fmt, "store": "original", "loader": "threads", "geometry": {},
+                                 "work": "scaled decode+resize", "decoder": FAST_DECODER,
                                  "notes": f'decoder="{FAST_DECODER}": DCT-scaled JPEG decode before the resize'}))
     for fmt in FORMATS:
         for name, (store, geometry, work) in TRAIN_STORES.items():
