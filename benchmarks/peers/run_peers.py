@@ -277,15 +277,24 @@ def own_cpu_seconds() -> float:
     return total
 
 
+def settled_load(cores: int, settle_s: float) -> tuple[float, float, float]:
+    """The load average once its 1-minute figure is at most ``cores``, or after ``settle_s`` seconds."""
+    deadline = time.perf_counter() + settle_s
+    while os.getloadavg()[0] > cores and time.perf_counter() < deadline:
+        time.sleep(5)
+    return os.getloadavg()
+
+
 class LoadWatch:
     """The load average at the start and the end of a run, and how much CPU other processes took meanwhile.
 
-    The 1-minute load average at the end still holds this run's own readers, so :meth:`finish` first waits (up
-    to ``settle_s``) for it to fall to the core count."""
+    Each end waits (up to ``settle_s``) for the 1-minute load average to fall to the core count: at the start
+    for what ran just before (making the sample folder, say), at the end for this run's own readers, which it
+    still holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, settle_s: float) -> None:
         self.cores = core_count()
-        self.start = os.getloadavg()
+        self.start = settled_load(self.cores, settle_s)
         self.started = time.perf_counter()
         self.busy0, self.own0 = busy_cpu_seconds(), own_cpu_seconds()
         self.report("start", self.start)
@@ -300,10 +309,7 @@ class LoadWatch:
         others = None
         if busy is not None and self.busy0 is not None and wall > 0:
             others = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * self.cores)
-        deadline = time.perf_counter() + settle_s
-        while os.getloadavg()[0] > self.cores and time.perf_counter() < deadline:
-            time.sleep(5)
-        end = os.getloadavg()
+        end = settled_load(self.cores, settle_s)
         self.report("end", end)
         worst = max(self.start[0], end[0])
         publishable = worst <= self.cores
@@ -354,7 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true",
                    help="let --update-readme write a run that is not publishable (load average over the cores)")
     p.add_argument("--settle", type=float, default=120,
-                   help="seconds to wait at the end for the load average to fall to the core count (default 120)")
+                   help="seconds to wait, at the start and at the end, for the load average to fall to the core "
+                        "count (default 120)")
     p.add_argument("--readme", type=Path, default=REPO / "README.md", help="the README --update-readme writes")
     p.add_argument("--from-results", type=Path, metavar="JSON",
                    help="measure nothing: redo results.md, the chart (and the README with --update-readme) from "
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(args)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    load = LoadWatch()
+    load = LoadWatch(args.settle)
     results: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(argv),
