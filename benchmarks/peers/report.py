@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 START, END = "<!-- peers:start -->", "<!-- peers:end -->"
+PIPELINES = ("val", "train")
+PIPELINE_TITLES = {
+    "val": "Validation pipeline: resize 256 + centre crop 224",
+    "train": "Training pipeline: RandomResizedCrop 224 + horizontal flip",
+}
+# the row every other row of its pipeline is measured against, in order of preference
+BASELINE_TOOLS = ("torchvision", "ImageFolder stand-in")
 
 # What each tool is better at than packer, said plainly: the table only measures local read speed.
 ABOUT = {
@@ -43,6 +50,7 @@ COLUMNS = [  # (key, header, format)
     ("warm_epoch1_first_batch_s", "First batch (s)", "{:.1f}"),
     ("warm_epoch1_sps", "Epoch 1 warm (img/s)", "{:.0f}"),
     ("warm_epoch2_sps", "Epoch 2 warm (img/s)", "{:.0f}"),
+    ("x_baseline", "× baseline", "{:.2f}×"),
     ("cold_sps", "Cold epoch (img/s)", "{:.0f}"),
     ("peak_rss_mb", "Peak RSS (MB)", "{:.0f}"),
     ("peak_pss_mb", "Peak PSS (MB)", "{:.0f}"),
@@ -55,20 +63,59 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
         return "-"
     if key == "bytes":
         value = value / 1e6
-    return fmt.format(value)
+    text = fmt.format(value)
+    low, high = row.get(f"{key}_min"), row.get(f"{key}_max")
+    if row.get("repeats", 1) > 1 and low is not None and high is not None:  # the median, then the range
+        text += f" ({fmt.format(low)}–{fmt.format(high)})"
+    return text
+
+
+def speed(row: dict[str, Any]) -> float | None:
+    """The images/s a row is compared by: its last warm epoch (workers started, files cached), median."""
+    return row.get("warm_epoch2_sps", row.get("warm_epoch1_sps"))
+
+
+def pipeline_of(row: dict[str, Any]) -> str:
+    return row.get("pipeline", "val")  # results from before the training rows had only val rows
+
+
+def baseline(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ImageFolder row among ``rows`` (one pipeline of one run): torchvision's, else the stand-in's."""
+    for tool in BASELINE_TOOLS:
+        for row in rows:
+            if row["tool"] == tool and "error" not in row and speed(row):
+                return row
+    return None
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """One line per row; a failed row says why instead of numbers."""
+    """One line per row, all of one pipeline; a failed row says why instead of numbers. "× baseline" is the
+    row's speed over the ImageFolder row's among the same ``rows``."""
+    base = baseline(rows)
     header = "| Tool | Variant | Read-time work | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
     lines = [header, "|" + "---|" * (len(COLUMNS) + 3)]
     for row in rows:
         if "error" in row:
             cells = [f"failed: {row['error'][:150]}"] + [""] * (len(COLUMNS) - 1)
         else:
-            cells = [_cell(row, key, fmt) for key, _, fmt in COLUMNS]
+            ratio = speed(row) / speed(base) if base and speed(row) else None
+            cells = [_cell({**row, "x_baseline": ratio}, key, fmt) for key, _, fmt in COLUMNS]
         lines.append(f"| {row['tool']} | {row['variant']} | {row.get('read_work', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def pipeline_tables(rows: list[dict[str, Any]]) -> str:
+    """One titled table per pipeline present, each with its own baseline."""
+    parts = []
+    for pipeline in PIPELINES:
+        chosen = [r for r in rows if pipeline_of(r) == pipeline]
+        if not chosen:
+            continue
+        base = baseline(chosen)
+        against = f"{base['tool']} {base['variant']}" if base else "none measured"
+        parts += [f"**{PIPELINE_TITLES[pipeline]}** (× baseline: epoch 2 warm img/s over {against}, same run)", "",
+                  markdown_table(chosen), ""]
+    return "\n".join(parts).rstrip()
 
 
 WORK_LEGEND = ("Read-time work: *decode+resize* decodes the full-size source image, resizes it to 256 and crops "
@@ -76,7 +123,10 @@ WORK_LEGEND = ("Read-time work: *decode+resize* decodes the full-size source ima
                "resized and cropped once at conversion (packer's jpeg/raw stores); FFCV's rows read images "
                "whose long side was capped at 256 at conversion (*decode <=256+resize*, *resize <=256*). "
                "*threads*: packer's default loader (decoding on threads in the main process); *workers*: "
-               "2 DataLoader worker processes, as every peer uses.")
+               "2 DataLoader worker processes, as every peer uses. Training rows: *+RRC* picks a random window "
+               "(torchvision's RandomResizedCrop algorithm) and resizes only it to 224, then flips half the "
+               "images; *decode 256+RRC* reads images stored with their short side at 256. With repeats, each "
+               "images/s cell is the median, with the min–max in brackets.")
 
 
 def status_line(status: dict[str, Any]) -> str:
@@ -91,28 +141,46 @@ def status_line(status: dict[str, Any]) -> str:
     return f"{name}: {status.get('status')} in {status.get('seconds', 0):.0f} s{extra} ({versions})"
 
 
+def _loads(results: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The 1-minute load average at the start and the end (also from results written before load_start)."""
+    m = results["machine"]
+    start = m["load_start"][0] if "load_start" in m else m.get("load_before")
+    end = m["load_end"][0] if "load_end" in m else m.get("load_after")
+    return start, end
+
+
 def machine_line(results: dict[str, Any]) -> str:
     m = results["machine"]
-    load = f"load average {m['load_before']:.1f} at the start"
-    if "load_after" in m:
-        load += f", {m['load_after']:.1f} at the end"
+    start, end = _loads(results)
+    load = f"load average {start:.1f} at the start"
+    if end is not None:
+        load += f", {end:.1f} at the end"
+    if m.get("others_cpu_share") is not None:
+        load += f"; other processes used {100 * m['others_cpu_share']:.0f}% of the cores"
     return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}, Python {m['python']} ({load})"
+
+
+def publishable(results: dict[str, Any]) -> bool:
+    """False when the load average exceeded the core count at the start or the end of the run."""
+    if "publishable" in results:
+        return bool(results["publishable"])
+    return max(v or 0.0 for v in _loads(results)) <= results["machine"]["cores"]
 
 
 def busy_warning(results: dict[str, Any]) -> str | None:
     """A warning when something else was using the cores: every number here is wall-clock."""
-    m = results["machine"]
-    load = max(m.get("load_before", 0), m.get("load_after", 0))
-    if load > 0.5 * m["cores"]:
-        return (f"The machine was busy (load average up to {load:.1f} on {m['cores']} cores): the numbers are "
-                "indicative only; re-run on an idle machine.")
-    return None
+    if publishable(results):
+        return None
+    load = max(v or 0.0 for v in _loads(results))
+    return (f"Not publishable: the machine was busy (load average up to {load:.1f} on "
+            f"{results['machine']['cores']} cores); re-run on an idle machine.")
 
 
 def setup_line(results: dict[str, Any]) -> str:
     src = results.get("src_display", results["src"])
     return (f"{results.get('images')} images ({src}), batch {results['batch_size']}, "
-            f"{results['workers']} workers, {results['epochs']} warm epochs + 1 cold, output uint8 3x224x224")
+            f"{results['workers']} workers, {results['epochs']} warm epochs + 1 cold, "
+            f"median of {results.get('repeats', 1)} run(s) per row, output uint8 3x224x224")
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -123,7 +191,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     warning = busy_warning(results)
     if warning:
         parts += [f"**{warning}**", ""]
-    parts += [markdown_table(results["rows"]), "", WORK_LEGEND, "", "## Peers", ""]
+    parts += [pipeline_tables(results["rows"]), "", WORK_LEGEND, "", "## Peers", ""]
     for status in results["peers"]:
         parts.append(f"- {status_line(status)}")
         if status.get("error"):
@@ -158,7 +226,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         if key == "warm_epoch2_sps":
             ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=6, padding=2)
     ax.set_xscale("log")
-    ax.set_yticks(range(len(rows)), [f"{r['tool']}  {r['variant']}" for r in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{pipeline_of(r)}: {r['tool']}  {r['variant']}" for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("images/s, log scale (uint8 224x224, batch 64; higher is better)")
     ax.set_title(f"packer vs. peers: {results.get('images')} images, {results['machine']['cores']} cores, "
@@ -188,7 +256,7 @@ def readme_section(results: dict[str, Any]) -> str:
     warning = busy_warning(results)
     if warning:
         lines += [warning, ""]
-    lines += [markdown_table(results["rows"]), "", WORK_LEGEND, ""]
+    lines += [pipeline_tables(results["rows"]), "", WORK_LEGEND, ""]
     skipped = [s for s in results["peers"] if s.get("status") == "skipped"]
     for status in skipped:
         lines.append(f"Not measured: {status['peer']}: {status['error'].splitlines()[0]}")

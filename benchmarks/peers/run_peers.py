@@ -10,6 +10,13 @@ skipped; no row is ever made up. packer's own rows run in this interpreter.
     python benchmarks/peers/run_peers.py FOLDER                 # every peer, results in bench-out/peers
     python benchmarks/peers/run_peers.py --per-class 600        # make a 3000-image folder first, then run
     python benchmarks/peers/run_peers.py FOLDER --peers packer,datasets --update-readme
+    python benchmarks/peers/run_peers.py FOLDER --pipeline train --repeats 1   # training rows only, once each
+
+Two pipelines: ``val`` (resize 256 + centre crop 224) and ``train`` (RandomResizedCrop 224 + horizontal flip);
+each row's "x baseline" is against torchvision's ImageFolder row of the same pipeline in the same run. Each row
+is read ``--repeats`` times and its median reported. The load average is taken at the start and the end: a run
+where it exceeded the core count is marked not publishable, and ``--update-readme`` then refuses (``--force``
+overrides).
 
 See benchmarks/peers/README.md for what each adapter does and how each number is measured.
 """
@@ -22,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import signal
@@ -63,12 +71,13 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("packer", "packer_rows.py"),
     Peer("folder", "folder_pil.py"),
     Peer("torchvision", "tv_imagefolder.py", [TORCHVISION]),
-    Peer("datasets", "hf_datasets.py", [TORCH, ["datasets==5.2.0"]]),
+    # the training rows use torchvision's RandomResizedCrop, as the library's users would: torch 2.14.1 + torchvision
+    Peer("datasets", "hf_datasets.py", [TORCHVISION, ["datasets==5.2.0"]]),
     # Streaming 0.13 pulls torchvision (and an older huggingface-hub than datasets 5): its own venv, torch 2.14.1
     Peer("streaming", "mosaic_streaming.py", [TORCHVISION, ["mosaicml-streaming==0.13.0"]]),
     # LitData decodes images with torchvision, whose PyPI wheels do not load beside the CPU torch 2.13
     Peer("litdata", "lit_data.py", [TORCHVISION, ["litdata==0.2.76"]]),
-    Peer("webdataset", "wds_official.py", [TORCH, ["webdataset==1.0.2"]]),
+    Peer("webdataset", "wds_official.py", [TORCHVISION, ["webdataset==1.0.2"]]),
     # FFCV has no wheels: pip builds it against OpenCV and libjpeg-turbo (pkg-config finds them); it imports
     # Pillow without declaring it (in BASE)
     Peer("ffcv", "ffcv_beton.py", [TORCH, ["ffcv==1.0.2"]],
@@ -175,11 +184,13 @@ def run_adapter(peer: Peer, python: str, args: argparse.Namespace, log: Path) ->
     rows_file.unlink(missing_ok=True)
     cmd = [python, str(ADAPTERS / peer.adapter), "--src", str(args.src), "--work", str(work), "--out",
            str(rows_file), "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-           "--epochs", str(args.epochs), "--timeout", str(args.timeout)]
+           "--epochs", str(args.epochs), "--timeout", str(args.timeout), "--pipelines", ",".join(args.pipelines),
+           "--repeats", str(args.repeats)]
     if args.variants:
         cmd += ["--variants", args.variants]
     env = {**os.environ, **peer.env, "PACKER_PEER_FORMATS": ",".join(args.packer_formats)}
-    env.pop("PYTHONPATH", None)  # a venv must see only its own packages
+    if peer.steps:
+        env.pop("PYTHONPATH", None)  # a venv must see only its own packages; packer's rows keep this interpreter's
     code = _run_group(cmd, log, env, args.peer_timeout)
     rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
     if not args.keep_packed:
@@ -237,9 +248,77 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cores": cores, "memory_gib": round(memory / 2**30, 1), "os": platform.platform(),
-            "python": platform.python_version(), "load_before": os.getloadavg()[0]}
+    return {"cpu": cpu, "cores": core_count(), "memory_gib": round(memory / 2**30, 1), "os": platform.platform(),
+            "python": platform.python_version()}
+
+
+# -- is the machine idle? -------------------------------------------------------------------------------------
+
+def core_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has used since boot (/proc/stat), or None where unknown."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds this process and its finished descendants (adapters, readers, their workers) have used."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def settled_load(cores: int, settle_s: float) -> tuple[float, float, float]:
+    """The load average once its 1-minute figure is at most ``cores``, or after ``settle_s`` seconds."""
+    deadline = time.perf_counter() + settle_s
+    while os.getloadavg()[0] > cores and time.perf_counter() < deadline:
+        time.sleep(5)
+    return os.getloadavg()
+
+
+class LoadWatch:
+    """The load average at the start and the end of a run, and how much CPU other processes took meanwhile.
+
+    Each end waits (up to ``settle_s``) for the 1-minute load average to fall to the core count: at the start
+    for what ran just before (making the sample folder, say), at the end for this run's own readers, which it
+    still holds."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.cores = core_count()
+        self.start = settled_load(self.cores, settle_s)
+        self.started = time.perf_counter()
+        self.busy0, self.own0 = busy_cpu_seconds(), own_cpu_seconds()
+        self.report("start", self.start)
+
+    def report(self, when: str, load: tuple[float, float, float]) -> None:
+        print(f"load average at the {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1, 5, 15 min) on "
+              f"{self.cores} cores", file=sys.stderr, flush=True)
+
+    def finish(self, settle_s: float) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started
+        busy, own = busy_cpu_seconds(), own_cpu_seconds()
+        others = None
+        if busy is not None and self.busy0 is not None and wall > 0:
+            others = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * self.cores)
+        end = settled_load(self.cores, settle_s)
+        self.report("end", end)
+        worst = max(self.start[0], end[0])
+        publishable = worst <= self.cores
+        if others is not None:
+            print(f"other processes used {100 * others:.0f}% of the cores during the run", file=sys.stderr)
+        if not publishable:
+            print(f"NOT PUBLISHABLE: load average {worst:.2f} > {self.cores} cores", file=sys.stderr, flush=True)
+        return {"cores": self.cores, "load_start": list(self.start), "load_end": list(end),
+                "others_cpu_share": others, "publishable": publishable}
 
 
 def _display(path: Path) -> str:
@@ -265,6 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "peers", help="results folder")
     p.add_argument("--venvs", type=Path, default=REPO / "bench-out" / "peer-venvs", help="where peer venvs live")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {', '.join(PEERS)}")
+    p.add_argument("--pipeline", default="val,train", help="comma-separated pipelines: val, train (default both)")
+    p.add_argument("--repeats", type=int, default=3, help="reads per row; the median is reported (default 3)")
     p.add_argument("--packer-formats", default="lmdb,hdf5,wds", help="packer formats to measure")
     p.add_argument("--variants", default="", help="only these variant names (as in the table)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -276,6 +357,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reinstall", action="store_true", help="rebuild the peer venvs even if their recipe holds")
     p.add_argument("--keep-packed", action="store_true", help="keep each peer's packed copies in OUT/work")
     p.add_argument("--update-readme", action="store_true", help="write the table into README.md's peers section")
+    p.add_argument("--force", action="store_true",
+                   help="let --update-readme write a run that is not publishable (load average over the cores)")
+    p.add_argument("--settle", type=float, default=120,
+                   help="seconds to wait, at the start and at the end, for the load average to fall to the core "
+                        "count (default 120)")
     p.add_argument("--readme", type=Path, default=REPO / "README.md", help="the README --update-readme writes")
     p.add_argument("--from-results", type=Path, metavar="JSON",
                    help="measure nothing: redo results.md, the chart (and the README with --update-readme) from "
@@ -296,19 +382,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
     args.packer_formats = [f for f in args.packer_formats.split(",") if f]
+    args.pipelines = [n.strip() for n in args.pipeline.split(",") if n.strip()]
+    wrong = [n for n in args.pipelines if n not in report.PIPELINES]
+    if wrong or not args.pipelines:
+        p.error(f"unknown pipeline(s) {', '.join(wrong)}; choose from {', '.join(report.PIPELINES)}")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     return args
+
+
+def write_results(args: argparse.Namespace, results: dict[str, Any]) -> tuple[dict[str, str], int]:
+    """results.json/.md and the chart, then (with --update-readme) the README section, which a run that is not
+    publishable may only write with --force. The paths written and the exit code."""
+    paths = report.write_outputs(results, args.out)
+    if not args.update_readme:
+        return paths, 0
+    if not report.publishable(results) and not args.force:
+        print("error: not updating the README: this run is not publishable (the load average exceeded the core "
+              "count); re-run on an idle machine, or pass --force", file=sys.stderr)
+        return paths, 1
+    report.update_readme(args.readme, results)
+    return {**paths, "readme": str(args.readme)}, 0
 
 
 def rerender(args: argparse.Namespace) -> int:
     """--from-results: the outputs of an earlier run, drawn again (after a change to the report, say)."""
     results = json.loads(args.from_results.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
-    paths = report.write_outputs(results, args.out)
-    if args.update_readme:
-        report.update_readme(args.readme, results)
-        paths["readme"] = str(args.readme)
+    paths, code = write_results(args, results)
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,11 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(args)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    load = LoadWatch(args.settle)
     results: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(argv),
         "machine": machine(), "src": str(args.src), "src_display": _display(args.src), "images": None,
-        "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs, "peers": [], "rows": []}
+        "batch_size": args.batch_size, "workers": args.workers, "epochs": args.epochs, "repeats": args.repeats,
+        "pipelines": args.pipelines, "peers": [], "rows": []}
+    results["machine"].update(load_start=list(load.start))
     for name in args.peer_names:
         print(f"== {name}", file=sys.stderr, flush=True)
         status, rows = measure_peer(PEERS[name], args)
@@ -331,14 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         results["images"] = results["images"] or next((r.get("images") for r in rows if r.get("images")), None)
         results["seconds"] = time.perf_counter() - started
         report.write_outputs(results, args.out)  # after every peer, so an interrupted run keeps what it has
-    results["machine"]["load_after"] = os.getloadavg()[0]
-    paths = report.write_outputs(results, args.out)
-    if args.update_readme:
-        report.update_readme(args.readme, results)
-        paths["readme"] = str(args.readme)
-    print(report.markdown_table(results["rows"]))
+    idle = load.finish(args.settle)
+    results["machine"].update(load_end=idle["load_end"], others_cpu_share=idle["others_cpu_share"])
+    results["publishable"] = idle["publishable"]
+    paths, code = write_results(args, results)
+    print(report.pipeline_tables(results["rows"]))
     print(f"\ntook {results['seconds']:.0f} s; wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

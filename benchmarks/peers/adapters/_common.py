@@ -3,6 +3,7 @@
 An adapter is a script that defines ``TOOL`` (its name in the table), ``VARIANTS`` (its rows) and these
 functions, then calls :func:`main`::
 
+    def check(variant) -> None                                 # optional: raise if the row cannot run here
     def pack(variant, samples, classes, dest) -> Path | None   # write ``dest``; return the folder read later
     def prepare(variant, dest) -> None                         # optional: imports, untimed, before ``pack``
     def data_files(variant, data) -> list[Path]                # optional: the files to evict (default: all)
@@ -14,13 +15,18 @@ and the peer itself. Every number in a row is measured the same way for every to
 
 - conversion: wall time of ``pack`` with the source folder already in the page cache (it is read once first,
   untimed), so only the tool's own work counts; bytes on disk: every file under the folder it wrote;
-- warm: the read runs in a child process while the packed files are still in the page cache from writing;
+- warm: the read runs in a child process with the packed files in the page cache (read once just before);
   epoch 1 includes starting the loader's workers, epoch 2 reuses them where the loader keeps them;
 - cold: the packed files are fsync'ed and dropped from the page cache (``POSIX_FADV_DONTNEED``) while no process
   has them open, then a new child process reads one epoch;
 - peak memory: the highest sum of RSS (and of PSS, which counts pages shared by forked workers once) over the
   child process and its descendants during the warm read: RSS sampled every 50 ms, PSS every second, both
-  also taken at the end of every epoch.
+  also taken at the end of every epoch;
+- repeats: the warm and cold reads run ``--repeats`` times (packing once); each number is the median over the
+  repeats, and the images/s figures also keep their min and max (``<key>_min``, ``<key>_max``).
+
+Each variant belongs to one pipeline: ``val`` (resize 256 + centre crop 224, fixed per image) or ``train``
+(RandomResizedCrop 224 + horizontal flip, random per image and epoch).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import ctypes
 import json
 import mmap
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -46,8 +53,10 @@ from PIL import Image
 # torchvision's ImageFolder extensions
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 RESIZE, CROP = 256, 224
+PIPELINES = ("val", "train")
 # what a read does per image, for the table: rows are only comparable when this matches
 FULL_DECODE = "decode+resize"
+FULL_DECODE_RRC = "decode+RRC"
 SAMPLE_EVERY_S = 0.05
 
 
@@ -58,6 +67,7 @@ class Variant:
     name: str
     pack_key: str
     options: dict[str, Any] = field(default_factory=dict)
+    pipeline: str = "val"
 
 
 # -- the common input and output ------------------------------------------------------------------------------
@@ -106,6 +116,41 @@ def to_chw(img: Image.Image) -> Any:
 def transform(img: Image.Image) -> Any:
     """The per-image pipeline every peer without its own uses: RGB, resize 256, centre-crop 224, CHW uint8."""
     return to_chw(resize_crop(img))
+
+
+def train_transform() -> Any:
+    """The training pipeline a torchvision user writes: ``RandomResizedCrop(224)`` (bilinear, antialiased, the
+    default scale and ratio), ``RandomHorizontalFlip()``, then ``PILToTensor()`` (CHW uint8; it passes a tensor
+    through when the peer decodes to tensors itself). Needs torchvision in the peer's venv."""
+    from torchvision import transforms
+
+    return transforms.Compose([transforms.RandomResizedCrop(CROP), transforms.RandomHorizontalFlip(),
+                               _ToTensorIfPil()])
+
+
+class _ToTensorIfPil:
+    """``PILToTensor`` for PIL images; tensors (from a peer that decodes itself) pass unchanged."""
+
+    def __call__(self, img: Any) -> Any:
+        if isinstance(img, Image.Image):
+            return to_chw(img)
+        return img
+
+
+class RgbThen:
+    """Convert a PIL image to RGB (as ImageFolder's loader does), then apply ``then``; picklable for workers."""
+
+    def __init__(self, then: Any):
+        self.then = then
+
+    def __call__(self, img: Image.Image) -> Any:
+        return self.then(img.convert("RGB"))
+
+
+def pipeline_transform(variant: Variant) -> Any:
+    """The per-image PIL pipeline of ``variant``'s pipeline: :func:`transform` for val, RGB then
+    :func:`train_transform` for train."""
+    return RgbThen(train_transform()) if variant.pipeline == "train" else transform
 
 
 def folder_files(root: Path) -> list[Path]:
@@ -295,9 +340,11 @@ def read_child(adapter_file: str, variant: Variant, data: Path, args: argparse.N
         raise RuntimeError(f"read timed out after {args.timeout} s") from None
     finally:
         peak_rss, peak_pss = memory.stop()
-    if code != 0 or not result.exists():
-        raise RuntimeError(f"read process exited with {code} (its traceback is above)")
-    out = json.loads(result.read_text())
+    out = json.loads(result.read_text()) if result.exists() else {}
+    if out.get("error"):
+        raise RuntimeError(out["error"])
+    if code != 0 or "epochs" not in out:
+        raise RuntimeError(f"read process exited with {code} (its traceback is in the log)")
     peak_rss = max([peak_rss, *(e["end_rss"] for e in out["epochs"])])
     peak_pss = max([peak_pss, *(e["end_pss"] for e in out["epochs"])])
     out.update(peak_rss_mb=peak_rss / 2**20, peak_pss_mb=peak_pss / 2**20)
@@ -315,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2, help="warm epochs (the cold read is one epoch)")
     p.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    p.add_argument("--pipelines", default=",".join(PIPELINES), help="comma-separated, from val, train")
+    p.add_argument("--repeats", type=int, default=3, help="warm and cold reads per row (median reported)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one read may take")
     p.add_argument("--read-child", help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -325,16 +374,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def child_main(adapter: ModuleType, args: argparse.Namespace) -> None:
     """The read process: build the tool's loader, iterate it, write the timings."""
     variant = Variant(**json.loads(args.read_child))
-    loader = adapter.make_loader(variant, args.data, args.batch_size, args.workers)
-    epochs = run_epochs(loader, args.epochs)
+    try:
+        loader = adapter.make_loader(variant, args.data, args.batch_size, args.workers)
+        epochs = run_epochs(loader, args.epochs)
+    except Exception as exc:  # the parent reports this message as the row's error
+        traceback.print_exc()
+        args.result.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        sys.exit(1)
     args.result.write_text(json.dumps({"epochs": epochs}))
+
+
+def read_once(adapter: ModuleType, variant: Variant, data: Path, args: argparse.Namespace,
+              files: list[Path]) -> dict[str, Any]:
+    """One warm read (files read into the page cache first) and one cold read (files evicted first)."""
+    result = args.work / f".read-{os.getpid()}.json"
+    warm(files)
+    warm_read = read_child(adapter.__file__, variant, data, args, args.epochs, result)
+    evict(files)
+    run: dict[str, Any] = {"resident_after_evict": resident_fraction(files)}
+    cold_read = read_child(adapter.__file__, variant, data, args, 1, result)
+    result.unlink(missing_ok=True)
+    for i, epoch in enumerate(warm_read["epochs"], 1):
+        run[f"warm_epoch{i}_sps"] = epoch["samples_per_s"]
+        run[f"warm_epoch{i}_samples"] = epoch["samples"]
+        run[f"warm_epoch{i}_first_batch_s"] = epoch["first_batch_s"]
+    run["cold_sps"] = cold_read["epochs"][0]["samples_per_s"]
+    run["cold_samples"] = cold_read["epochs"][0]["samples"]
+    run["peak_rss_mb"] = warm_read["peak_rss_mb"]
+    run["peak_pss_mb"] = warm_read["peak_pss_mb"]
+    return run
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of every number over the repeats; images/s also keep their min and max."""
+    summary: dict[str, Any] = {"repeats": len(runs), "runs": runs}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if not values:
+            summary[key] = None
+            continue
+        summary[key] = statistics.median(values)
+        if key.endswith("_sps"):
+            summary[f"{key}_min"], summary[f"{key}_max"] = min(values), max(values)
+    return summary
 
 
 def measure_variant(adapter: ModuleType, variant: Variant, args: argparse.Namespace,
                     samples: list[tuple[Path, int]], classes: list[str], packed: dict[str, dict]) -> dict[str, Any]:
-    """Pack (once per ``pack_key``), read warm, evict, read cold; one row."""
-    row: dict[str, Any] = {"tool": adapter.TOOL, "variant": variant.name, "images": len(samples),
-                           "batch_size": args.batch_size, "workers": args.workers}
+    """Pack (once per ``pack_key``), then ``--repeats`` times: read warm, evict, read cold; one row."""
+    row: dict[str, Any] = {"tool": adapter.TOOL, "variant": variant.name, "pipeline": variant.pipeline,
+                           "images": len(samples), "batch_size": args.batch_size, "workers": args.workers}
+    check = getattr(adapter, "check", None)
+    if check is not None:  # before packing, so an unsupported row costs nothing
+        check(variant)
     if variant.pack_key not in packed:
         dest = args.work / variant.pack_key
         prepare = getattr(adapter, "prepare", None)
@@ -349,23 +441,11 @@ def measure_variant(adapter: ModuleType, variant: Variant, args: argparse.Namesp
                                     "bytes": disk_bytes(data)}
     info = packed[variant.pack_key]
     data = info["data"]
-    row.update(read_work=variant.options.get("work", FULL_DECODE), conversion_s=info["conversion_s"],
+    default_work = FULL_DECODE_RRC if variant.pipeline == "train" else FULL_DECODE
+    row.update(read_work=variant.options.get("work", default_work), conversion_s=info["conversion_s"],
                bytes=info["bytes"], packed_at=str(data))
     files = adapter.data_files(variant, data) if hasattr(adapter, "data_files") else folder_files(data)
-    result = args.work / f".read-{os.getpid()}.json"
-    warm_read = read_child(adapter.__file__, variant, data, args, args.epochs, result)
-    evict(files)
-    row["resident_after_evict"] = resident_fraction(files)
-    cold_read = read_child(adapter.__file__, variant, data, args, 1, result)
-    result.unlink(missing_ok=True)
-    for i, epoch in enumerate(warm_read["epochs"], 1):
-        row[f"warm_epoch{i}_sps"] = epoch["samples_per_s"]
-        row[f"warm_epoch{i}_samples"] = epoch["samples"]
-        row[f"warm_epoch{i}_first_batch_s"] = epoch["first_batch_s"]
-    row["cold_sps"] = cold_read["epochs"][0]["samples_per_s"]
-    row["cold_samples"] = cold_read["epochs"][0]["samples"]
-    row["peak_rss_mb"] = warm_read["peak_rss_mb"]
-    row["peak_pss_mb"] = warm_read["peak_pss_mb"]
+    row.update(summarize([read_once(adapter, variant, data, args, files) for _ in range(args.repeats)]))
     return row
 
 
@@ -379,16 +459,18 @@ def main(adapter: ModuleType, argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     samples, classes = scan(args.src)
     wanted = {v for v in args.variants.split(",") if v}
-    variants = [v for v in adapter.VARIANTS if not wanted or v.name in wanted]
+    pipelines = {p for p in args.pipelines.split(",") if p}
+    variants = [v for v in adapter.VARIANTS if (not wanted or v.name in wanted) and v.pipeline in pipelines]
     versions = adapter.versions()
     rows, packed = [], {}
     for variant in variants:
-        print(f"[{adapter.TOOL}] {variant.name}", file=sys.stderr, flush=True)
+        print(f"[{adapter.TOOL}] {variant.pipeline}: {variant.name}", file=sys.stderr, flush=True)
         try:
             row = measure_variant(adapter, variant, args, samples, classes, packed)
         except Exception as exc:  # one broken variant must not lose the others' rows
             traceback.print_exc()
-            row = {"tool": adapter.TOOL, "variant": variant.name, "error": f"{type(exc).__name__}: {exc}"}
+            row = {"tool": adapter.TOOL, "variant": variant.name, "pipeline": variant.pipeline,
+                   "error": f"{type(exc).__name__}: {exc}"}
         row["versions"] = versions
         row["notes"] = variant.options.get("notes", "")
         rows.append(row)

@@ -8,6 +8,9 @@ side at 256 (FFCV's rule, OpenCV INTER_AREA), so stored images are smaller than 
 Reader: FFCV's own decode+crop, ``CenterCropRGBImageDecoder((224, 224), ratio=224/256)`` (the centre square of
 224/256 of the short side, resized with OpenCV to 224), then ``ToTensor`` and ``ToTorchImage`` (uint8 NCHW).
 This is FFCV's recommended validation pipeline, not Pillow: running Pillow inside it would defeat its design.
+Training rows read the same betons with FFCV's ImageNet training pipeline: ``RandomResizedCropRGBImageDecoder((224,
+224))`` (the window is decoded and resized in one step; default scale and ratio) and FFCV's
+``RandomHorizontalFlip()``, then ``ToTensor``, ``ToTorchImage``.
 FFCV's ``num_workers`` are threads in one process. Epoch 1 includes numba's JIT compilation.
 Orders: RANDOM with ``os_cache=True`` (the data fits in memory; FFCV's advice) and QUASI_RANDOM with
 ``os_cache=False`` (FFCV's own page-aware cache, for data bigger than memory).
@@ -29,6 +32,10 @@ VARIANTS = [
                                         "work": "decode <=256+resize", "notes": NOTE}),
     Variant("raw/random+os_cache", "raw", {"write_mode": "raw", "order": "RANDOM", "os_cache": True,
                                            "work": "resize <=256", "notes": NOTE}),
+    Variant("jpg/random+os_cache", "jpg", {"write_mode": "jpg", "order": "RANDOM", "os_cache": True,
+                                           "work": "decode <=256+RRC", "notes": NOTE}, "train"),
+    Variant("raw/random+os_cache", "raw", {"write_mode": "raw", "order": "RANDOM", "os_cache": True,
+                                           "work": "RRC <=256", "notes": NOTE}, "train"),
 ]
 
 
@@ -66,12 +73,15 @@ def pack(variant: Variant, samples: list, classes: list, dest: Path) -> Path:
 
 
 def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
-    from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder
+    from ffcv.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
-    from ffcv.transforms import Squeeze, ToTensor, ToTorchImage
+    from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
 
-    pipelines = {"image": [CenterCropRGBImageDecoder((CROP, CROP), ratio=CROP / RESIZE), ToTensor(), ToTorchImage()],
-                 "label": [IntDecoder(), ToTensor(), Squeeze()]}
+    if variant.pipeline == "train":
+        image = [RandomResizedCropRGBImageDecoder((CROP, CROP)), RandomHorizontalFlip(), ToTensor(), ToTorchImage()]
+    else:
+        image = [CenterCropRGBImageDecoder((CROP, CROP), ratio=CROP / RESIZE), ToTensor(), ToTorchImage()]
+    pipelines = {"image": image, "label": [IntDecoder(), ToTensor(), Squeeze()]}
     return Loader(str(data / "data.beton"), batch_size=batch_size, num_workers=workers,
                   order=getattr(OrderOption, variant.options["order"]), os_cache=variant.options["os_cache"],
                   drop_last=False, pipelines=pipelines)

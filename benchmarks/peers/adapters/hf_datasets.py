@@ -7,8 +7,9 @@ inside the work folder and is not counted as bytes on disk; it is deleted before
 reused.
 
 Reader (the "use with PyTorch" docs): ``load_from_disk(DEST)`` (memory-maps the Arrow file), ``set_transform``
-with the shared Pillow pipeline (the Image feature decodes each row to a PIL image), and a torch ``DataLoader``
-(``shuffle=True``, ``num_workers``, ``persistent_workers=True``).
+with the shared Pillow pipeline (val) or torchvision's RandomResizedCrop + flip (train) (the Image feature
+decodes each row to a PIL image), and a torch ``DataLoader`` (``shuffle=True``, ``num_workers``,
+``persistent_workers=True``).
 
 The module is not called ``datasets.py``: the script's folder is first on ``sys.path`` and would shadow the
 library.
@@ -21,10 +22,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import Variant, main, package_versions, source_root, transform
+from _common import Variant, main, package_versions, pipeline_transform, source_root
 
 TOOL = "datasets"
-VARIANTS = [Variant("arrow/imagefolder+save_to_disk", "arrow")]
+VARIANTS = [Variant("arrow/imagefolder+save_to_disk", "arrow", pipeline=pipeline) for pipeline in ("val", "train")]
 
 
 def versions() -> dict[str, str]:
@@ -50,8 +51,14 @@ def pack(variant: Variant, samples: list, classes: list, dest: Path) -> Path:
     return dest
 
 
-def _to_tensors(batch: dict) -> dict:
-    return {"image": [transform(img) for img in batch["image"]], "label": batch["label"]}
+class _ToTensors:
+    """``set_transform``'s function: a batch of rows with PIL images -> CHW uint8 tensors."""
+
+    def __init__(self, variant: Variant):
+        self.transform = pipeline_transform(variant)
+
+    def __call__(self, batch: dict) -> dict:
+        return {"image": [self.transform(img) for img in batch["image"]], "label": batch["label"]}
 
 
 def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
@@ -59,7 +66,7 @@ def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
     import torch
 
     ds = datasets.load_from_disk(str(data))
-    ds.set_transform(_to_tensors)
+    ds.set_transform(_ToTensors(variant))
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
                                        persistent_workers=workers > 0)
 

@@ -7,7 +7,8 @@ stores the file's own bytes (JPEG or PNG), not a re-encoding. ``optimize`` runs 
 Reader: ``StreamingDataset(DEST, shuffle=True)`` reading the local chunks in place, and ``StreamingDataLoader``
 (batch 64, ``num_workers``, ``persistent_workers=True``). LitData decodes images itself (torchvision's
 libjpeg-turbo ``decode_jpeg``, to an RGB CHW tensor); the tensor is then handed to Pillow for the shared
-resize 256 + centre-crop 224, which costs one extra copy per image. The PyPI version check is turned off
+resize 256 + centre-crop 224, which costs one extra copy per image (val); for train, torchvision's
+RandomResizedCrop + flip run on that tensor, as a LitData user would write them. The PyPI version check is turned off
 (``LITDATA_DISABLE_VERSION_CHECK=1``) so no network call lands inside a timing.
 """
 
@@ -18,12 +19,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import Variant, main, package_versions, transform
+from _common import Variant, main, package_versions, train_transform, transform
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
 TOOL = "litdata"
-VARIANTS = [Variant("optimize/Image(path)", "chunks", {"notes": "LitData decodes to a tensor; Pillow resizes"})]
+VARIANTS = [Variant("optimize/Image(path)", "chunks", {"notes": "LitData decodes to a tensor; Pillow resizes"}),
+            Variant("optimize/Image(path)", "chunks", {"notes": "LitData decodes to a tensor; torchvision's "
+                                                                "RandomResizedCrop + flip on it"}, "train")]
 
 
 def versions() -> dict[str, str]:
@@ -61,10 +64,24 @@ class _ToPil:
         return transform(pil), item["label"]
 
 
+class _Train:
+    """torchvision's RandomResizedCrop + flip on LitData's decoded CHW uint8 tensor."""
+
+    def __init__(self):
+        self.transform = train_transform()
+
+    def __call__(self, item: dict) -> tuple:
+        image = item["image"]
+        if not hasattr(image, "permute"):  # a PIL image
+            image = image.convert("RGB")
+        return self.transform(image), item["label"]
+
+
 def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
     import litdata
 
-    ds = litdata.StreamingDataset(str(data), shuffle=True, transform=_ToPil())
+    per_item = _Train() if variant.pipeline == "train" else _ToPil()
+    ds = litdata.StreamingDataset(str(data), shuffle=True, transform=per_item)
     return litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
                                        persistent_workers=workers > 0)
 

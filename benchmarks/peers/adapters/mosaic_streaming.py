@@ -6,7 +6,8 @@ given ``PIL.Image.open(path)`` per sample. Streaming's ``jpeg`` encoding stores 
 size limit (67 MB), no compression. One writer process, as in Streaming's examples.
 
 Reader: a ``StreamingDataset(local=DEST, remote=None, shuffle=True, batch_size=64)`` subclass whose
-``__getitem__`` applies the shared Pillow resize+crop to the decoded PIL image, in a torch ``DataLoader``
+``__getitem__`` applies the shared Pillow resize+crop (val) or torchvision's RandomResizedCrop + flip (train)
+to the decoded PIL image, in a torch ``DataLoader``
 (``num_workers``, ``persistent_workers=True``). Stale shared memory from an earlier crashed run is cleaned
 first, as Streaming advises.
 
@@ -19,11 +20,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import Variant, main, package_versions, transform
+from _common import Variant, main, package_versions, pipeline_transform
 
 TOOL = "streaming"
 VARIANTS = [Variant("MDSWriter(jpeg)+StreamingDataset", "mds",
-                    {"notes": "PNG sources are re-encoded as JPEG by the 'jpeg' encoding"})]
+                    {"notes": "PNG sources are re-encoded as JPEG by the 'jpeg' encoding"}, pipeline)
+            for pipeline in ("val", "train")]
 
 
 def versions() -> dict[str, str]:
@@ -50,9 +52,13 @@ def _dataset_class():
     from streaming import StreamingDataset
 
     class ImageDataset(StreamingDataset):
+        def __init__(self, *args, image_transform=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.image_transform = image_transform
+
         def __getitem__(self, index: int):
             sample = super().__getitem__(index)
-            return transform(sample["image"]), sample["label"]
+            return self.image_transform(sample["image"]), sample["label"]
 
     return ImageDataset
 
@@ -62,7 +68,8 @@ def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
     from streaming.base.util import clean_stale_shared_memory
 
     clean_stale_shared_memory()
-    ds = _dataset_class()(local=str(data), remote=None, shuffle=True, shuffle_seed=0, batch_size=batch_size)
+    ds = _dataset_class()(local=str(data), remote=None, shuffle=True, shuffle_seed=0, batch_size=batch_size,
+                          image_transform=pipeline_transform(variant))
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                        persistent_workers=workers > 0)
 

@@ -1,8 +1,11 @@
-"""torchvision's ``ImageFolder``: the raw folder, no conversion, the classic validation transform.
+"""torchvision's ``ImageFolder``: the raw folder, no conversion, the classic transforms. The baseline of both
+pipelines.
 
-``ImageFolder(SRC, transform=Compose([Resize(256), CenterCrop(224), PILToTensor()]))`` (Pillow decode and
-resize, bilinear with antialiasing as Pillow always does) in a torch ``DataLoader`` (``shuffle=True``,
-``num_workers``, ``persistent_workers=True``). Needs torch 2.14.1 + torchvision 0.29.1 (its own venv).
+``ImageFolder(SRC, transform=...)`` in a torch ``DataLoader`` (``shuffle=True``, ``num_workers``,
+``persistent_workers=True``), with ``Compose([Resize(256), CenterCrop(224), PILToTensor()])`` (val) or
+``Compose([RandomResizedCrop(224), RandomHorizontalFlip(), PILToTensor()])`` (train). Pillow decodes and
+resizes (bilinear with antialiasing, as Pillow always does). Needs torch 2.14.1 + torchvision 0.29.1 (its own
+venv).
 
 Not ``torchvision.py``: that name would shadow the library.
 """
@@ -12,10 +15,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from _common import CROP, RESIZE, Variant, main, package_versions, source_root
+from _common import CROP, RESIZE, Variant, main, package_versions, source_root, train_transform
 
 TOOL = "torchvision"
-VARIANTS = [Variant("ImageFolder/pil/workers", "source", {"notes": "reads the source folder"})]
+VARIANTS = [Variant("ImageFolder/pil/workers", "source", {"notes": "reads the source folder"}, pipeline)
+            for pipeline in ("val", "train")]
 
 
 def versions() -> dict[str, str]:
@@ -30,7 +34,10 @@ def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
     import torch
     from torchvision import datasets, transforms
 
-    tf = transforms.Compose([transforms.Resize(RESIZE), transforms.CenterCrop(CROP), transforms.PILToTensor()])
+    if variant.pipeline == "train":
+        tf = train_transform()
+    else:
+        tf = transforms.Compose([transforms.Resize(RESIZE), transforms.CenterCrop(CROP), transforms.PILToTensor()])
     ds = datasets.ImageFolder(str(data), transform=tf)
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
                                        persistent_workers=workers > 0)

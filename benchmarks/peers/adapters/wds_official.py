@@ -6,7 +6,8 @@ re-encoded). ``maxcount`` gives at least 8 shards (as packer's own default does)
 not samples, across workers, so one big shard would leave a worker idle on a small set.
 
 Reader (the library's README): ``WebDataset(urls, shardshuffle=...)`` -> ``shuffle(1000)`` -> ``decode("pil")``
--> ``to_tuple("jpg;jpeg;png", "cls")`` -> ``map_tuple(shared Pillow resize+crop, int)`` -> ``batched(64)``, and
+-> ``to_tuple("jpg;jpeg;png", "cls")`` -> ``map_tuple(shared Pillow resize+crop (val) or torchvision's
+RandomResizedCrop + flip (train), int)`` -> ``batched(64)``, and
 ``WebLoader(batch_size=None, num_workers, persistent_workers=True)``.
 
 Not ``webdataset.py``: that name would shadow the library.
@@ -19,11 +20,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import Variant, main, package_versions, transform
+from _common import Variant, main, package_versions, pipeline_transform
 
 TOOL = "webdataset"
 MIN_SHARDS = 8
-VARIANTS = [Variant("ShardWriter+WebLoader", "shards")]
+VARIANTS = [Variant("ShardWriter+WebLoader", "shards", pipeline=pipeline) for pipeline in ("val", "train")]
 
 
 def versions() -> dict[str, str]:
@@ -59,7 +60,7 @@ def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
                 .shuffle(1000)
                 .decode("pil")
                 .to_tuple("jpg;jpeg;png", "cls")
-                .map_tuple(transform, _label)
+                .map_tuple(pipeline_transform(variant), _label)
                 .batched(batch_size, partial=True))
     return wds.WebLoader(pipeline, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
 
