@@ -224,7 +224,7 @@ def test_distributed_overwrite_deletes_only_what_packer_wrote(source, tmp_path):
     dest.mkdir()
     (dest / "manifest.json").write_text('{"name": "my web app"}\n')
     (dest / "thesis.txt").write_text("precious\n")
-    result, _ = torchrun("pack", source, dest, "--format", "lmdb", "--overwrite", "--quiet")
+    result = torchrun("pack", source, dest, "--format", "lmdb", "--overwrite", "--quiet")
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("packer: error:")]
     assert errors and "not a packer dataset" in errors[0] and "thesis.txt" in errors[0], result.stderr[-3000:]
