@@ -2,7 +2,8 @@
 
 For each dataset: ``packer.make_loader(ds, batch_size=8, shuffle=True)`` over two epochs, without calling
 ``set_epoch``; records which samples (index and relpath, recognised by their pixels) this rank saw, in order,
-and how many batches, to ``OUT_DIR/rank<R>.json``. Labels are checked here against ``ds[i]``.
+and how many batches, to ``OUT_DIR/rank<R>.json``. Labels are checked here against ``ds[i]``. The same passes
+over the dataset opened with ``random_resized_crop`` and ``flip`` record each image's digest.
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def main() -> None:
                         raise SystemExit(f"{path}: sample {i} came with label {int(label)}, not {items[i][1]}")
                     seen.append(i)
             epochs.append({"indices": seen, "relpaths": [ds.relpath(i) for i in seen], "batches": batches})
-        result["datasets"][path] = {"len": len(ds), "epochs": epochs, "sampler": type(loader.sampler).__name__}
+        # the same passes with read-time augmentation: the test checks each image against one process's output
+        # for (seed, epoch, index), so the ranks' batches are those of any rank count
+        augmented = packer.open_dataset(path, random_resized_crop=12, flip=True, seed=0)
+        aug_loader = packer.make_loader(augmented, batch_size=BATCH, shuffle=True)
+        aug_epochs = [[digest(image) for images, _ in aug_loader for image in images] for _ in range(EPOCHS)]
+        result["datasets"][path] = {"path": path, "len": len(ds), "epochs": epochs, "augmented": aug_epochs,
+                                    "sampler": type(loader.sampler).__name__}
         dist.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -83,3 +83,20 @@ def test_ranks_split_the_data_and_reshuffle_each_epoch(dist_run, reference_scan,
     for rank in ranks:
         assert rank["epochs"][0]["indices"] != rank["epochs"][1]["indices"]
         assert rank["len"] == COUNT
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_augmented_batches_under_torchrun_are_one_process_outputs(dist_run, fmt):
+    """Under 2 ranks, every augmented image is what one process gives for (seed, epoch, index): the crop and flip
+    depend on nothing else, so the batches are the same on every rank count; epochs differ."""
+    from dist_worker import digest
+
+    from packer.sampler import EpochIndex
+
+    _, per_format, _ = dist_run
+    ranks = per_format[fmt]
+    ds = packer.open_dataset(ranks[0]["path"], random_resized_crop=12, flip=True, seed=0)
+    for rank in ranks:
+        for epoch, (plain, augmented) in enumerate(zip(rank["epochs"], rank["augmented"], strict=True)):
+            assert augmented == [digest(ds[EpochIndex(i, epoch)][0]) for i in plain["indices"]]
+    assert ranks[0]["augmented"][0] != [digest(ds[EpochIndex(i, 1)][0]) for i in ranks[0]["epochs"][0]["indices"]]
