@@ -23,6 +23,7 @@ Settings tuned by ``packer bench --tune`` (``loader.json`` beside the manifest) 
 
 from __future__ import annotations
 
+import atexit
 import json
 import queue
 import random
@@ -190,6 +191,20 @@ class _CountingIterator:
         return self.received.epoch_pass.batches
 
 
+_PREFETCHING: set[tuple[threading.Event, threading.Thread]] = set()
+
+
+@atexit.register
+def _stop_prefetching(timeout: float = 10.0) -> None:
+    """At exit, stop every prefetch thread and wait for its batch in progress. A daemon thread still inside torch
+    when the interpreter finalizes aborts the whole process ("terminate called without an active exception",
+    seen after a loop that breaks out mid-epoch and then returns)."""
+    for stop, _ in list(_PREFETCHING):
+        stop.set()
+    for _, thread in list(_PREFETCHING):
+        thread.join(timeout)
+
+
 class _BackgroundIterator:
     _END = object()
 
@@ -200,6 +215,7 @@ class _BackgroundIterator:
         # ``break``) drops this object, __del__ sets ``stop`` and the thread ends instead of living on
         self.thread = threading.Thread(target=self._fill, args=(iterator, self.queue, self.stop), daemon=True,
                                        name="packer-prefetch")
+        _PREFETCHING.add((self.stop, self.thread))
         self.thread.start()
 
     @classmethod
@@ -208,10 +224,11 @@ class _BackgroundIterator:
             for batch in iterator:
                 if not cls._put(q, stop, batch):
                     return
+            cls._put(q, stop, cls._END)
         except BaseException as exc:  # handed to the consumer, raised there
             cls._put(q, stop, exc)
-            return
-        cls._put(q, stop, cls._END)
+        finally:
+            _PREFETCHING.discard((stop, threading.current_thread()))
 
     @staticmethod
     def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
