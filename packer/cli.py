@@ -9,58 +9,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import shlex
 import sys
+import traceback
 
 import click
 
 from . import __version__
-from .errors import ManifestError, PackerError
-from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES, parse_size
-
-SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-              "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-
-
-def parse_bytes(text: str | None) -> int | None:
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise click.BadParameter(f"{text!r} is not a size like 256MB")
-    size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
-    if size < 1:
-        raise click.BadParameter(f"{text!r} is not a positive size; give one like 256MB")
-    return size
-
-
-def floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
-
-
-class ImageSize(click.ParamType):
-    """N or WxH, checked by :func:`parse_size`, so that a bad value names its option."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx):
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-class ByteSize(click.ParamType):
-    """A positive number of bytes such as 256MB."""
-
-    name = "bytes"
-
-    def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_bytes(value)
+from .errors import ManifestError, PackerError, UsageError
+from .options import click_options
 
 
 def one_line(exc: click.ClickException) -> str:
@@ -98,8 +55,13 @@ class PackerGroup(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+DEBUG_ENV = "PACKER_DEBUG"
+
+
 def handle_errors(fn):
-    """Print packer's errors as one line and exit with their code; Ctrl-C exits 130."""
+    """Print packer's errors as one line and exit with their code (2 for bad input, :class:`UsageError`); Ctrl-C
+    exits 130. Any other exception is a bug in packer: one line asking for a report, exit 1, and the traceback
+    only with ``PACKER_DEBUG=1``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -108,13 +70,19 @@ def handle_errors(fn):
         except PackerError as exc:
             click.echo(f"packer: error: {exc}", err=True)
             sys.exit(exc.exit_code)
-        except ValueError as exc:
-            click.echo(f"packer: error: {exc}", err=True)
-            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("packer: interrupted. Run the same command with --resume to continue where it stopped.",
                        err=True)
             sys.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+                traceback.print_exc()
+            message = " ".join(f"{type(exc).__name__}: {exc}".split())
+            click.echo(f"packer: internal error: {message}; rerun with {DEBUG_ENV}=1 for the traceback and report it",
+                       err=True)
+            sys.exit(1)
 
     return wrapper
 
@@ -128,60 +96,19 @@ def main() -> None:
 @main.command()
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dest", type=click.Path(path_type=str))
-@click.option("--format", "format_", type=click.Choice(["lmdb", "hdf5", "wds"]), required=True,
-              help="Output format.")
-@click.option("--store", type=click.Choice(STORES), default=None,
-              help="original: the file's bytes (default without resize/crop); jpeg: re-encode (default when "
-                   "resizing); png: lossless; raw: decoded uint8 pixels, the fastest to load.")
-@click.option("--resize", type=ImageSize(), default=None, help="N: shorter side to N (aspect kept); WxH: exact size.")
-@click.option("--max-size", type=click.IntRange(1), default=None, help="Cap the longer side at N; never upscales.")
-@click.option("--center-crop", type=ImageSize(), default=None, help="N or WxH: crop the centre after the resize.")
-@click.option("--interpolation", type=click.Choice(list(INTERPOLATIONS)), default="bilinear", show_default=True)
-@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True, help="JPEG quality.")
-@click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
-              help="RGB as ImageFolder (the default), or L to keep one channel; a packed SRC keeps its own mode.")
-@click.option("--exif-transpose", is_flag=True, help="Apply the EXIF orientation (ImageFolder does not).")
-@click.option("--normalize", is_flag=True, help="Store (x/255 - mean)/std as float arrays (store raw).")
-@click.option("--mean", type=floats, default=None,
-              help="With --normalize: one value per channel [default: 0.485,0.456,0.406; 0.485 for --mode L].")
-@click.option("--std", type=floats, default=None,
-              help="With --normalize: one positive value per channel [default: 0.229,0.224,0.225; 0.229 for L].")
-@click.option("--dtype", type=click.Choice(["float16", "float32"]), default=None,
-              help="Dtype of normalized arrays (default float16).")
-@click.option("--workers", type=click.IntRange(1), default=None, help="Worker processes (default: all cores).")
-@click.option("--shuffle/--no-shuffle", default=None,
-              help="Shuffle the sample order (default: on for wds, off for lmdb and hdf5).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--shard-size", type=ByteSize(), default=None, help="WebDataset: bytes per shard at most, e.g. 256MB.")
-@click.option("--shard-samples", type=click.IntRange(1), default=None, help="WebDataset: samples per shard.")
-@click.option("--strict", is_flag=True, help="Stop at the first unreadable image instead of skipping it.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing packer dataset at DEST.")
-@click.option("--resume", is_flag=True,
-              help="Continue an interrupted conversion into DEST (same SRC and options); exits 0 if finished.")
-@click.option("--include-hidden", is_flag=True, help="Keep files and folders whose names start with '.'.")
-@click.option("--max-pixels", type=click.IntRange(1), default=DEFAULT_MAX_PIXELS, show_default=True,
-              help="Skip images with more pixels, before or after the resize (decompression bombs).")
-@click.option("--label-key", default=None,
-              help="WebDataset SRC: the member that holds the integer label: cls (default), txt, json:FIELD...")
+@click_options
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
 @handle_errors
-def pack(src, dest, format_, store, resize, max_size, center_crop, interpolation, quality, mode, exif_transpose,
-         normalize, mean, std, dtype, workers, shuffle, seed, shard_size, shard_samples, strict, overwrite, resume,
-         include_hidden, max_pixels, label_key, quiet) -> None:
+def pack(src, dest, quiet, **options) -> None:
     """Convert SRC into a dataset in DEST. SRC is an image folder (SRC/<class>/**/<image>), a dataset packed by
     packer (to change format or re-pack with a new transform), or WebDataset shards from any tool: a folder of
     .tar files, one .tar, or a quoted glob such as 'shards/*.tar'.
 
     Started by torchrun (torchrun --nproc_per_node=K -m packer pack ...), every rank converts a part; DEST must
-    then be on a filesystem every node shares."""
+    then be on a filesystem every node shares. One process at a time writes DEST: a second fails at once."""
     from .convert import pack as run_pack
 
-    manifest = run_pack(src, dest, format_, store=store, resize=resize, max_size=max_size, center_crop=center_crop,
-                        interpolation=interpolation, quality=quality, mode=mode, exif_transpose=exif_transpose,
-                        normalize=normalize, mean=mean, std=std, dtype=dtype, workers=workers, shuffle=shuffle,
-                        seed=seed, shard_size=shard_size, shard_samples=shard_samples,
-                        strict=strict, overwrite=overwrite, resume=resume, include_hidden=include_hidden,
-                        max_pixels=max_pixels, label_key=label_key, progress=not quiet)
+    manifest = run_pack(src, dest, progress=not quiet, **options)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
         click.echo(summary_line(dest, manifest))
 
@@ -318,17 +245,23 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
     --tune DEST, find the fastest loader settings for a packed dataset."""
     from . import bench as b
 
-    counts = b.split_ints(workers) if workers else None
+    try:  # bench's parsers raise ValueError for text that is not what they parse: that is bad input
+        counts = b.split_ints(workers) if workers else None
+        for text in b.split_names(stores) if not tune_dest else ():
+            b.parse_variant(text)
+        b.parse_pipelines(b.split_names(pipelines))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if tune_dest:
         if src:
-            raise ValueError("give SRC to benchmark, or --tune DEST, not both")
+            raise UsageError("give SRC to benchmark, or --tune DEST, not both")
         data = b.tune(tune_dest, workers=counts, batch_sizes=b.split_ints(batch_sizes),
                       prefetch_factors=b.split_ints(prefetch_factors), read_resize=b.optional_size(read_resize),
                       read_crop=b.optional_size(read_crop), progress=not quiet)
         click.echo(b.format_tune(data, tune_dest))
         return
     if not src:
-        raise ValueError("give the image folder SRC to benchmark (or --tune DEST)")
+        raise UsageError("give the image folder SRC to benchmark (or --tune DEST)")
     results = b.run_bench(src, formats=b.split_names(formats), stores=b.split_names(stores),
                           resize=b.optional_size(resize), center_crop=b.optional_size(center_crop),
                           batch_size=batch_size, workers=counts, epochs=epochs, caches=b.split_names(caches),

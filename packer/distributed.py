@@ -25,7 +25,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,13 @@ from typing import Any
 import numpy as np
 
 from .dest import PART_INFO, part_problems, prepare_output
-from .errors import DestinationError, NothingPackedError, PackerError, SourceError
-from .manifest import read_manifest, write_json_atomic, write_manifest
+from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_dest
+from .errors import DestinationError, NothingPackedError, PackerError, SourceError, UsageError
+from .journal import discard, finish, open_journal
+from .lock import OutputLock
+from .manifest import MANIFEST, read_manifest
+from .options import PackOptions
+from .system import usable_cores
 
 PART = "part-{:05d}"
 TIMEOUT_ENV = "PACKER_DIST_TIMEOUT"
@@ -176,6 +182,10 @@ class Context:
 
         self._store_call(poll, f"waiting for {what}")
 
+    def mark_exit(self) -> None:
+        """Tell rank 0 this rank has read that the manifest is written (see :func:`_wait_exits`)."""
+        self._store_call(lambda: self.set(f"exit/{self.rank}", "1"), "finishing")
+
     def close(self) -> None:
         if self.owns_group:
             import torch.distributed as dist
@@ -195,13 +205,15 @@ def detect(distributed: bool | None = None) -> Context | None:
         env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     except ValueError:
         env_world = 1
+    if env_world <= 1 and "torch.distributed" not in sys.modules and not distributed:
+        return None  # no launcher and no process group (that needs torch.distributed imported): skip torch
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else env_world
     if world <= 1:
         if distributed:
-            raise ValueError("distributed=True needs a distributed launch: run under torchrun with more than one "
+            raise UsageError("distributed=True needs a distributed launch: run under torchrun with more than one "
                              "process, or initialise a process group first")
         return None
     if not dist.is_available():
@@ -209,7 +221,7 @@ def detect(distributed: bool | None = None) -> Context | None:
     try:
         timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds") from None
+        raise UsageError(f"{TIMEOUT_ENV} must be a number of seconds") from None
     owns = False
     if not initialised:
         missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
@@ -243,11 +255,20 @@ def partition(sizes: np.ndarray, world: int) -> list[tuple[int, int]]:
     return [(bounds[k], bounds[k + 1]) for k in range(world)]
 
 
-def pack_distributed(context: Context, make_plan: Callable[..., Any], dest: Path, *, resume: bool,
-                     overwrite: bool) -> dict[str, Any]:
-    """This rank's share of a distributed ``pack()``: see the module docstring. Returns the manifest."""
+def pack_distributed(context: Context, src: str | os.PathLike, options: PackOptions, dest: Path) -> dict[str, Any]:
+    """This rank's share of a distributed ``pack()``: see the module docstring.
+
+    Args:
+        context: this rank (:func:`detect`).
+        src: what to convert.
+        options: the conversion's options, the same on every rank.
+        dest: the folder every rank writes, on a filesystem they share.
+
+    Returns:
+        The manifest over every part.
+    """
     try:
-        return _run(context, make_plan, dest, resume, overwrite)
+        return _run(context, src, options, dest)
     except BaseException as exc:
         context.publish_failure(exc)
         raise
@@ -255,47 +276,43 @@ def pack_distributed(context: Context, make_plan: Callable[..., Any], dest: Path
         context.close()
 
 
-def _run(ctx: Context, make_plan: Callable[..., Any], dest: Path, resume: bool, overwrite: bool) -> dict[str, Any]:
-    from . import convert
-    from .system import usable_cores
-
+def _run(ctx: Context, src: str | os.PathLike, options: PackOptions, dest: Path) -> dict[str, Any]:
     ctx.alive(force=True)
-    plan = make_plan(quiet=ctx.rank != 0)
-    if plan.workers is None:  # the node's cores, shared between the ranks on it
-        plan.workers = max(1, usable_cores() // ctx.local_world)
-    plan.options["world_size"] = ctx.world
+    plan = build_plan(src, options, quiet=ctx.rank != 0)
+    if plan.options.workers is None:  # the node's cores, shared between the ranks on it
+        plan = replace(plan, options=replace(plan.options, workers=max(1, usable_cores() // ctx.local_world)))
+    plan = replace(plan, record={**plan.record, "world_size": ctx.world})
     ranges = partition(plan.sizes[np.asarray(plan.order, dtype=np.int64)], ctx.world)
     ctx.alive(force=True)
-    if ctx.rank == 0:
-        _, resuming = convert.open_journal(dest, plan, resume, overwrite)
-        ctx.set("prep", json.dumps({"resuming": resuming, "fingerprint": plan.options["fingerprint"]}))
-    else:
-        prep = json.loads(ctx.wait_key("prep", 0, "rank 0 to prepare the destination"))
-        if prep["fingerprint"] != plan.options["fingerprint"]:
-            raise SourceError(f"{plan.options['source']}: rank {ctx.rank} sees different source files than rank 0 "
-                              "(files changed during the scan, or SRC differs between nodes); every rank must see "
-                              "the same SRC")
-        resuming = prep["resuming"]
-    started = time.time()
-    a, b = ranges[ctx.rank]
-    _convert_part(ctx, plan, dest, a, b, resuming)
-    ctx.set(f"done/{ctx.rank}", "1")
-    if ctx.rank != 0:
-        ctx.wait_key("manifest", 0, "rank 0 to write the manifest")
-        ctx._store_call(lambda: ctx.set(f"exit/{ctx.rank}", "1"), "finishing")
-        return read_manifest(dest)
-    ctx.wait_ranks("done", "every rank to finish its part")
-    try:
-        manifest = _merge(plan, dest, ranges, started)
-    except NothingPackedError:
-        if not resuming:  # every rank is done with DEST: leave nothing that blocks the same command
-            convert.discard(dest, created=False)
-        raise
-    try:
-        write_manifest(dest, manifest)
-    except OSError as exc:
-        raise convert._write_failed(dest, exc) from None
-    (dest / convert.MARKER).unlink()
+    with OutputLock(dest) if ctx.rank == 0 else nullcontext():  # rank 0 locks DEST for every rank
+        if ctx.rank == 0:
+            _, resuming = open_journal(dest, plan.record, options.resume,
+                                       lambda: prepare_dest(dest, plan))
+            ctx.set("prep", json.dumps({"resuming": resuming, "fingerprint": plan.record["fingerprint"]}))
+        else:
+            prep = json.loads(ctx.wait_key("prep", 0, "rank 0 to prepare the destination"))
+            if prep["fingerprint"] != plan.record["fingerprint"]:
+                raise SourceError(f"{plan.record['source']}: rank {ctx.rank} sees different source files than "
+                                  "rank 0 (files changed during the scan, or SRC differs between nodes); every rank "
+                                  "must see the same SRC")
+            resuming = prep["resuming"]
+        started = time.time()
+        a, b = ranges[ctx.rank]
+        with OutputLock(dest, PART.format(ctx.rank)):
+            _convert_part(ctx, plan, dest, a, b, resuming)
+        ctx.set(f"done/{ctx.rank}", "1")
+        if ctx.rank != 0:
+            ctx.wait_key("manifest", 0, "rank 0 to write the manifest")
+            ctx.mark_exit()
+            return read_manifest(dest)
+        ctx.wait_ranks("done", "every rank to finish its part")
+        try:
+            manifest = _merge(plan, dest, ranges, started)
+        except NothingPackedError:
+            if not resuming:  # every rank is done with DEST: leave nothing that blocks the same command
+                discard(dest, created=False)
+            raise
+        finish(dest, MANIFEST, manifest)
     ctx.set("manifest", "1")
     _wait_exits(ctx)
     return manifest
@@ -313,10 +330,8 @@ def _wait_exits(ctx: Context, limit: float = 30.0) -> None:
         pass
 
 
-def _convert_part(ctx: Context, plan, dest: Path, a: int, b: int, resuming: bool) -> dict[str, Any]:
+def _convert_part(ctx: Context, plan: Plan, dest: Path, a: int, b: int, resuming: bool) -> dict[str, Any]:
     """Convert output positions ``[a, b)`` into ``DEST/part-{rank}`` and write its ``part.json``."""
-    from . import convert
-
     part = dest / PART.format(ctx.rank)
     info_path = part / PART_INFO
     if resuming and info_path.exists():
@@ -326,39 +341,24 @@ def _convert_part(ctx: Context, plan, dest: Path, a: int, b: int, resuming: bool
                                    "again with --overwrite")
         print(f"packer: {part} is already finished", file=sys.stderr)
         return info
-    options = {**plan.options, "part": ctx.rank, "range": [a, b]}
-    journal = convert.read_journal(part) if resuming else None
-    part_resuming = journal is not None
-    if journal is not None:
-        changed = convert._differences(journal["options"], options)
-        if changed:
-            raise DestinationError(f"{part}: the interrupted conversion used a different {', '.join(changed)}; "
-                                   "resume with the same source, options and number of ranks, or start again with "
-                                   "--overwrite")
-    else:
-        # a part that never recorded progress: nothing in it to keep, but only packer's files are deleted
-        prepare_output(part, True, part_problems, "packer part folder")
-        journal = {"options": options, "position": 0, "skipped": [], "writer": None}
-        write_json_atomic(part / convert.MARKER, journal)
+    # a part that never recorded progress: nothing in it to keep, but only packer's files are deleted
+    journal, part_resuming = open_journal(
+        part, {**plan.record, "part": ctx.rank, "range": [a, b]}, resuming,
+        lambda: prepare_output(part, True, part_problems, "packer part folder"),
+        same="source, options and number of ranks")
     started = time.time()
-    result = convert.convert_samples(
+    result = convert_samples(
         part, plan, plan.order[a:b], journal, part_resuming, allow_empty=True, key_offset=a,
-        progress=plan.progress and ctx.rank == 0, desc=f"packing {plan.format} (rank 0 of {ctx.world})",
+        progress=plan.options.progress and ctx.rank == 0, desc=f"packing {plan.options.format} (rank 0 of {ctx.world})",
         on_progress=ctx.alive)
     info = {"part": ctx.rank, "range": [a, b], "count": result.count, **result.extras, "skipped": result.skipped,
             "resumed": result.resumed, "conversion_seconds": round(time.time() - started, 3)}
-    try:
-        write_json_atomic(info_path, info)
-    except OSError as exc:
-        raise convert._write_failed(part, exc) from None
-    (part / convert.MARKER).unlink()
+    finish(part, PART_INFO, info)
     return info
 
 
-def _merge(plan, dest: Path, ranges: list[tuple[int, int]], started: float) -> dict[str, Any]:
+def _merge(plan: Plan, dest: Path, ranges: list[tuple[int, int]], started: float) -> dict[str, Any]:
     """Rank 0: the manifest over every part's ``part.json``."""
-    from . import convert
-
     infos = []
     for r in range(len(ranges)):
         path = dest / PART.format(r) / PART_INFO
@@ -377,10 +377,10 @@ def _merge(plan, dest: Path, ranges: list[tuple[int, int]], started: float) -> d
                 extras.setdefault(key, []).extend({**e, "path": f"{prefix}/{e['path']}"} for e in info[key])
     count = sum(int(info["count"]) for info in infos)
     if count == 0:
-        raise NothingPackedError(f"{plan.options['source']}: none of the {len(plan.order)} images could be read; "
+        raise NothingPackedError(f"{plan.record['source']}: none of the {len(plan.order)} images could be read; "
                                  "nothing was packed")
     skipped = [e for info in infos for e in info["skipped"]]
-    manifest = convert.make_manifest(plan, count, extras, skipped, any(i["resumed"] for i in infos),
+    manifest = make_manifest(plan, count, extras, skipped, any(i["resumed"] for i in infos),
                                      time.time() - started)
     manifest["parts"] = [{"path": PART.format(r), "count": int(info["count"]), "range": info["range"]}
                          for r, info in enumerate(infos)]

@@ -11,11 +11,17 @@ def warn(message: str) -> None:
     print(f"packer: warning: {message}", file=sys.stderr, flush=True)
 
 
-
 class PackerError(Exception):
     """Base class: the CLI prints ``str(error)`` on one line and exits non-zero, with no traceback."""
 
     exit_code = 1
+
+
+class UsageError(PackerError, ValueError):
+    """Bad input: an option value, or options that do not go together (exit 2). A ValueError too, as Python
+    callers of :func:`packer.pack` have always caught it."""
+
+    exit_code = 2
 
 
 class SourceError(PackerError):
@@ -44,6 +50,10 @@ class DestinationError(PackerError):
     """The destination exists and is not empty, or cannot be written."""
 
     exit_code = 2
+
+
+class DestinationBusyError(PackerError):
+    """Another packer process holds the lock on the destination: it is being written."""
 
 
 class IncompleteDatasetError(PackerError):

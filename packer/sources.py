@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .dest import JOURNAL as IN_PROGRESS
-from .errors import ImageError, PackerError, SourceError
-from .manifest import MANIFEST
+from .errors import ImageError, PackerError, SourceError, UsageError
+from .manifest import JOURNAL, MANIFEST
 from .scan import scan_folder
 from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert_bytes, convert_file
 
@@ -321,14 +320,14 @@ def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key:
     elif path.is_dir():
         if (path / MANIFEST).exists():
             if label_key is not None:
-                raise ValueError("--label-key is for WebDataset shards; a packed dataset keeps its labels")
+                raise UsageError("--label-key is for WebDataset shards; a packed dataset keeps its labels")
             return PackedSource(path)
-        if (path / IN_PROGRESS).exists():
+        if (path / JOURNAL).exists():
             raise SourceError(f"{path}: an unfinished packer conversion (no {MANIFEST}); finish it with `packer pack "
                               "... --resume` before packing from it")
         shards = _shards_in(path)
     if shards is not None:
         return ShardsSource(shards, label_key=label_key or "cls", pattern=pattern)
     if label_key is not None:
-        raise ValueError("--label-key is for WebDataset shards; an image folder's labels are its class folders")
+        raise UsageError("--label-key is for WebDataset shards; an image folder's labels are its class folders")
     return FolderSource(path, include_hidden=include_hidden)

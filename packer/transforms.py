@@ -29,7 +29,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageOps
 
-from .errors import ImageError
+from .errors import ImageError, UsageError
 
 INTERPOLATIONS = {
     "nearest": Image.Resampling.NEAREST,
@@ -73,20 +73,20 @@ class TransformSpec:
         if self.normalize and self.dtype == "uint8":
             object.__setattr__(self, "dtype", "float16")
         if self.dtype not in ("uint8", "float16", "float32") or (self.dtype != "uint8") != self.normalize:
-            raise ValueError("dtype is uint8, or float16/float32 with normalize")
+            raise UsageError("dtype is uint8, or float16/float32 with normalize")
         if self.store not in STORES:
-            raise ValueError(f"store must be one of {', '.join(STORES)}, not {self.store!r}")
+            raise UsageError(f"store must be one of {', '.join(STORES)}, not {self.store!r}")
         if self.interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}")
+            raise UsageError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}")
         if self.mode not in ("RGB", "L"):
-            raise ValueError("mode must be RGB or L")
+            raise UsageError("mode must be RGB or L")
         if self.store == "original" and self.changes_pixels:
-            raise ValueError("store='original' keeps the file's bytes, so it cannot resize, crop, normalize or "
+            raise UsageError("store='original' keeps the file's bytes, so it cannot resize, crop, normalize or "
                              "change the mode; choose store jpeg, png or raw")
         if self.normalize and self.store != "raw":
-            raise ValueError("normalize stores float arrays, so it needs store='raw'")
+            raise UsageError("normalize stores float arrays, so it needs store='raw'")
         if not 1 <= self.quality <= 100:
-            raise ValueError("quality must be between 1 and 100")
+            raise UsageError("quality must be between 1 and 100")
 
     @property
     def changes_pixels(self) -> bool:
@@ -134,7 +134,7 @@ def parse_size(text: str | int | None) -> int | Size | None:
     if isinstance(text, (int, tuple)) and not isinstance(text, bool):  # already parsed (or given in Python)
         values = text if isinstance(text, tuple) else (text,)
         if len(values) not in (1, 2) or not all(isinstance(v, int) and v >= 1 for v in values):
-            raise ValueError(f"{text} is not a size: give a positive N, or WxH such as 320x240")
+            raise UsageError(f"{text} is not a size: give a positive N, or WxH such as 320x240")
         return text
     text = str(text).lower().strip()
     try:
@@ -142,7 +142,7 @@ def parse_size(text: str | int | None) -> int | Size | None:
     except ValueError:
         size = None
     if size is None or min(size if isinstance(size, tuple) else (size,)) < 1:
-        raise ValueError(f"{text!r} is not a size: give a positive N, or WxH such as 320x240")
+        raise UsageError(f"{text!r} is not a size: give a positive N, or WxH such as 320x240")
     return size
 
 

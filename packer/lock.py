@@ -1,0 +1,160 @@
+"""One writer per output folder: an OS lock (``fcntl.flock``) on a small file next to the folder.
+
+A conversion into DEST holds ``.DEST.packer-lock`` in DEST's parent folder from before it prepares DEST (which
+``--overwrite`` may empty) until its manifest is written; under torchrun each rank also holds
+``.DEST.part-NNNNN.packer-lock`` while it writes its part. A second writer fails at once, naming the process that
+holds the lock. The lock file lives outside DEST, so it is never mistaken for, or deleted with, the dataset's
+files. The kernel releases the lock when its holder exits in any way, SIGKILL included; a lock file left behind
+then is simply locked again by the next writer.
+
+A file system without working locks (some network mounts) gets a warning and no lock, as before there was one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import socket
+from pathlib import Path
+
+from .dest import PART_DIR
+from .errors import DestinationBusyError, DestinationError, warn
+
+SUFFIX = ".packer-lock"
+NAME_MAX = 255
+
+
+def lock_path(dest: str | os.PathLike, part: str | None = None) -> Path:
+    """The lock file of ``dest`` (or of its part folder ``part``): in DEST's parent, whatever the spelling of
+    the path, so that every process writing that folder locks the same file."""
+    dest = Path(os.path.abspath(dest))
+    name = dest.name + (f".{part}" if part else "")
+    lock_name = f".{name}{SUFFIX}"
+    if len(os.fsencode(lock_name)) > NAME_MAX:  # DEST's own name is near the limit
+        lock_name = f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{SUFFIX}"
+    return dest.parent.resolve() / lock_name
+
+
+def _holder(fd: int) -> str:
+    """``pid N on HOST`` as the holder wrote it; empty in the instant before it has."""
+    try:
+        pid, host = os.pread(fd, 4096, 0).decode("utf-8", "replace").split()
+        return f" (pid {int(pid)} on {host})"
+    except (OSError, ValueError):
+        return ""
+
+
+def _busy(folder: Path, holder: str) -> DestinationBusyError:
+    return DestinationBusyError(f"{folder} is being written by another packer process{holder}; wait for it or "
+                                "stop it")
+
+
+def check_free(dest: Path, part: str | None = None) -> None:
+    """Fail at once if another process holds the lock of ``dest`` (or of its part folder ``part``); creates
+    nothing.
+
+    Raises:
+        DestinationBusyError: it does.
+    """
+    path = lock_path(dest, part)
+    folder = dest / part if part else dest
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: nobody holds it (or it cannot be told here; acquiring it will)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(folder, _holder(fd)) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_parts_free(dest: Path) -> None:
+    """Fail if a rank of another conversion still writes one of the part folders in ``dest``: ``--overwrite``
+    would delete it under that rank."""
+    try:
+        names = sorted(os.listdir(dest))
+    except OSError:
+        return
+    for name in names:
+        if PART_DIR.fullmatch(name):
+            check_free(dest, part=name)
+
+
+class OutputLock:
+    """The lock of an output folder, held from :meth:`acquire` to :meth:`release` (or the ``with`` block)."""
+
+    def __init__(self, dest: str | os.PathLike, part: str | None = None):
+        self.dest = Path(dest)
+        self.folder = self.dest / part if part else self.dest
+        self.path = lock_path(self.dest, part)
+        self.fd: int | None = None
+        self.pid = 0
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock.
+
+        Raises:
+            DestinationBusyError: another process holds it (exit 1).
+            DestinationError: the folder for the lock file cannot be created.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DestinationError(f"{self.folder}: cannot create this folder ({exc.strerror or exc}); choose "
+                                   "another destination") from None
+        try:
+            self.fd = self._lock()
+        except OSError as exc:
+            warn(f"{self.folder}: cannot lock it ({self.path}: {exc.strerror or exc}), so packer cannot tell "
+                 "whether another process writes into it; make sure none does")
+            return
+        self.pid = os.getpid()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{self.pid} {socket.gethostname()}\n".encode(), 0)
+
+    def _lock(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise _busy(self.folder, holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The previous holder removes the file when it releases: a file opened just before that is no
+            # longer the lock file, so lock the one at the path now.
+            try:
+                here = os.stat(self.path)
+                if (here.st_dev, here.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def release(self) -> None:
+        """Remove the lock file and unlock. Forked children (conversion workers) share the lock with this
+        process and never release it themselves."""
+        if self.fd is None or os.getpid() != self.pid:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: a waiter that opened it sees it gone, and retries
+        except OSError:
+            pass  # left behind, harmless: the next writer locks it
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
