@@ -23,6 +23,21 @@ from .errors import DestinationBusyError, DestinationError, warn
 
 SUFFIX = ".packer-lock"
 NAME_MAX = 255
+_held: set[int] = set()  # this process's lock descriptors
+
+
+def _close_in_child() -> None:
+    """A forked child (a conversion worker) closes its copies of the lock descriptors: closing them does not
+    unlock, and a child that outlives a killed parent for a moment must not keep DEST locked."""
+    for fd in _held:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def lock_path(dest: str | os.PathLike, part: str | None = None) -> Path:
@@ -121,6 +136,7 @@ class OutputLock:
                  "whether another process writes into it; make sure none does")
             return
         self.pid = os.getpid()
+        _held.add(self.fd)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{self.pid} {socket.gethostname()}\n".encode(), 0)
 
@@ -147,14 +163,14 @@ class OutputLock:
             os.close(fd)
 
     def release(self) -> None:
-        """Remove the lock file and unlock. Forked children (conversion workers) share the lock with this
-        process and never release it themselves."""
+        """Remove the lock file and unlock (in the process that took it; a forked child holds no copy)."""
         if self.fd is None or os.getpid() != self.pid:
             return
         try:
             os.unlink(self.path)  # while still locked: a waiter that opened it sees it gone, and retries
         except OSError:
             pass  # left behind, harmless: the next writer locks it
+        _held.discard(self.fd)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
