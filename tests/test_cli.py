@@ -5,6 +5,7 @@ test_pack (py-lmdb, h5py, tarfile, webdataset), never with packer's own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from conftest import imagefolder_reference, write_image
 from test_pack import FORMATS, check_packed, read_manifest, read_wds_tar
 
 import packer
+from packer.errors import UsageError
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -300,6 +302,34 @@ def test_usage_errors(run_packer, cli_src, tmp_path, args):
     proc = run_packer(*cmd)
     assert_one_line_error(proc, args[0] if args else "--format", code=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_in_python_is_a_usage_error_and_a_value_error(cli_src, tmp_path):
+    for kwargs in ({"format": "zip"}, {"format": "lmdb", "store": "original", "resize": 32},
+                   {"format": "wds", "shard_samples": 0}, {"format": "lmdb", "label_key": "cls"}):
+        with pytest.raises(UsageError) as info:
+            packer.pack(cli_src, tmp_path / "out", progress=False, **kwargs)
+        assert isinstance(info.value, ValueError) and info.value.exit_code == 2
+    with pytest.raises(TypeError, match="'bogus'"):
+        packer.pack(cli_src, tmp_path / "out", "lmdb", bogus=1)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_a_bug_is_one_line_exit_1_with_the_traceback_only_under_packer_debug(debug):
+    """Any exception that is not a PackerError is packer's bug, whatever its type (a ValueError too)."""
+    code = "from packer.cli import handle_errors\nhandle_errors(lambda: int('x'))()"
+    env = {k: v for k, v in os.environ.items() if k != "PACKER_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, **({"PACKER_DEBUG": debug} if debug else {})})
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == ("packer: internal error: ValueError: invalid literal for int() with base 10: 'x'; rerun "
+                         "with PACKER_DEBUG=1 for the traceback and report it")
+    if debug:
+        assert lines[0] == "Traceback (most recent call last):"
+    else:
+        assert len(lines) == 1
 
 
 # --------------------------------------------------------------------------------------------------------------
