@@ -2,10 +2,10 @@
 
 A conversion into DEST holds ``.DEST.packer-lock`` in DEST's parent folder from before it prepares DEST (which
 ``--overwrite`` may empty) until its manifest is written; under torchrun each rank also holds
-``.DEST.part-NNNNN.packer-lock`` while it writes its part. A second writer fails at once, naming the process that
-holds the lock. The lock file lives outside DEST, so it is never mistaken for, or deleted with, the dataset's
-files. The kernel releases the lock when its holder exits in any way, SIGKILL included; a lock file left behind
-then is simply locked again by the next writer.
+``.DEST.part-NNNNN.packer-part-lock`` while it writes its part. A second writer fails at once, naming the process
+that holds the lock. The lock file lives outside DEST, so it is never mistaken for, or deleted with, the
+dataset's files; it is removed on release. The kernel releases the lock when its holder exits in any way,
+SIGKILL included; a lock file left behind then is simply locked again by the next writer.
 
 A file system without working locks (some network mounts) gets a warning and no lock, as before there was one.
 """
@@ -22,6 +22,7 @@ from .dest import PART_DIR
 from .errors import DestinationBusyError, DestinationError, warn
 
 SUFFIX = ".packer-lock"
+PART_SUFFIX = ".packer-part-lock"  # never the end of a DEST's lock name: DEST "x.part-00001" is not x's part
 NAME_MAX = 255
 _held: set[int] = set()  # this process's lock descriptors
 
@@ -44,10 +45,10 @@ def lock_path(dest: str | os.PathLike, part: str | None = None) -> Path:
     """The lock file of ``dest`` (or of its part folder ``part``): in DEST's parent, whatever the spelling of
     the path, so that every process writing that folder locks the same file."""
     dest = Path(os.path.abspath(dest))
-    name = dest.name + (f".{part}" if part else "")
-    lock_name = f".{name}{SUFFIX}"
+    name, suffix = (f"{dest.name}.{part}", PART_SUFFIX) if part else (dest.name, SUFFIX)
+    lock_name = f".{name}{suffix}"
     if len(os.fsencode(lock_name)) > NAME_MAX:  # DEST's own name is near the limit
-        lock_name = f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{SUFFIX}"
+        lock_name = f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{suffix}"
     return dest.parent.resolve() / lock_name
 
 

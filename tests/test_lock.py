@@ -126,3 +126,4 @@ def test_the_lock_is_the_same_however_dest_is_spelled(tmp_path):
     assert lock_path(tmp_path / "link" / "ds") == lock_path(tmp_path / "real" / "ds") == lock_path(
         tmp_path / "real" / "sub" / ".." / "ds")
     assert lock_path(tmp_path / ("n" * 250)).parent == tmp_path  # a name near the limit still gets a lock file
+    assert lock_path(tmp_path / "ds", "part-00001") != lock_path(tmp_path / "ds.part-00001")
