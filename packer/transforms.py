@@ -146,6 +146,11 @@ def parse_size(text: str | int | None) -> int | Size | None:
     return size
 
 
+def as_pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    """A size given as one int ``n`` (a square) as ``(n, n)``; a pair as a tuple, in the order given."""
+    return (size, size) if isinstance(size, int) else (size[0], size[1])
+
+
 def output_size(width: int, height: int, resize: int | Size | None, max_size: int | None) -> Size:
     """The (W, H) that ``resize``/``max_size`` give an image of ``width`` x ``height`` (torchvision's rules)."""
     if isinstance(resize, tuple):

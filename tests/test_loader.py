@@ -381,11 +381,11 @@ def test_make_loader_defaults_for_packer_datasets(pack):
     (the documented default) threads of the main process."""
     ds = packer.open_dataset(pack("wds", "raw"))
     loader = packer.make_loader(ds)
-    decoders = loader.num_workers if loader.num_workers else ds.threads
+    decoders = loader.num_workers if loader.num_workers else loader.threads
     assert decoders == usable_cores()
     assert loader.batch_size == 64
     assert loader.persistent_workers == (loader.num_workers > 0)
-    assert (loader.pin_memory or ds.pin_memory) == torch.cuda.is_available()
+    assert (loader.pin_memory or loader.pin_batches) == torch.cuda.is_available()
 
 
 def test_make_loader_overrides_win(pack):
