@@ -459,7 +459,7 @@ class Target:
             from .folder import FolderDataset
 
             return FolderDataset(self.root, decoder="pil", resize=self.read_resize, center_crop=self.read_crop)
-        from .formats import open_dataset
+        from .dataset import open_dataset
 
         return open_dataset(self.root, resize=self.read_resize, center_crop=self.read_crop)
 
