@@ -195,6 +195,8 @@ def detect(distributed: bool | None = None) -> Context | None:
         env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     except ValueError:
         env_world = 1
+    if env_world <= 1 and not distributed and "torch.distributed" not in sys.modules:
+        return None  # no process group exists without torch.distributed imported: one process, and no torch
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
