@@ -33,8 +33,8 @@ from .errors import DestinationError, ImageError, NothingPackedError, PackerErro
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
 from .sources import SampleReader, Source, open_source
-from .system import usable_cores
-from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE, TransformSpec, parse_size
+from .system import process_context, usable_cores
+from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE, TransformSpec, as_pair, parse_size
 
 CHUNK = 16
 MARKER = JOURNAL
@@ -94,7 +94,7 @@ def make_spec(store: str | None = None, resize: int | str | None = None, max_siz
     ImageNet's mean and std (their first value for mode L). Bad sizes and normalisation values are a
     ValueError naming the option."""
     crop = _size("--center-crop", center_crop)
-    crop = (crop, crop) if isinstance(crop, int) else crop
+    crop = as_pair(crop)
     mode = mode or "RGB"
     channels = 1 if mode == "L" else 3
     mean = IMAGENET_MEAN[:channels] if mean is None else tuple(mean)
@@ -504,7 +504,7 @@ class _Conversion:
                 for chunk in chunks:
                     self.consume(_convert_items(reader, chunk, self.spec))
                 return
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            ctx = process_context()
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(reader,))
             try:
                 pending: deque = deque()

@@ -49,7 +49,7 @@ class Decoding:
         self.spec = reader.spec
         crop = parse_size(center_crop)
         self.resize = parse_size(resize)
-        self.center_crop = as_pair(crop) if crop is not None else None
+        self.center_crop = as_pair(crop)
         self.interpolation = interpolation
         self.decoder = decoder
         self.max_pixels = self.spec.max_pixels
@@ -225,7 +225,7 @@ def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
     if size is None:
         return None
-    pair = as_pair(size) if isinstance(size, int) else tuple(size)  # a longer tuple is refused below
+    pair = tuple(as_pair(size))  # a longer tuple is refused below
     if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
         raise ValueError(f"random_resized_crop must be a positive int or (height, width), not {size!r}")
     return pair

@@ -146,9 +146,9 @@ def parse_size(text: str | int | None) -> int | Size | None:
     return size
 
 
-def as_pair(size: int | tuple[int, int]) -> tuple[int, int]:
-    """A size given as one int ``n`` (a square) as ``(n, n)``; a pair as a tuple, in the order given."""
-    return (size, size) if isinstance(size, int) else (size[0], size[1])
+def as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """A size given as one int ``n`` (a square) as ``(n, n)``; a pair (or None) as it is."""
+    return (size, size) if isinstance(size, int) else size
 
 
 def output_size(width: int, height: int, resize: int | Size | None, max_size: int | None) -> Size:
