@@ -314,7 +314,7 @@ def _plan(src, format: str, writer_cls: type, transform: dict[str, Any], *, shuf
         per = np.dtype(spec.dtype).itemsize
         warn(f"--normalize stores {spec.dtype} arrays: {per}x the bytes of raw uint8 and far more than JPEG")
     if shuffle is None:  # WebDataset is read sequentially, so its order is the shuffle (unless it already is one)
-        shuffle = format == "wds" and not source.shuffled
+        shuffle = writer_cls.READ_IN_ORDER and not source.shuffled
     options = {"format": format, "transform": spec.to_dict(), "shuffle": bool(shuffle), "seed": seed,
                "shard_size": shard_size, "shard_samples": shard_samples, "include_hidden": include_hidden,
                "strict": strict, "source": source.key, "fingerprint": source.fingerprint()}

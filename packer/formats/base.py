@@ -31,6 +31,8 @@ class Writer(ABC):
     # fnmatch patterns of every file the writer leaves in DEST, finished or interrupted: --overwrite deletes
     # only these (and packer's own manifest, journal and loader.json)
     FILES: ClassVar[tuple[str, ...]] = ()
+    # read in its stored order (streamed), so that order should be a shuffle: packing shuffles by default
+    READ_IN_ORDER: ClassVar[bool] = False
 
     def __init__(self, dest: Path, spec: TransformSpec):
         self.dest = dest

@@ -79,6 +79,7 @@ def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes
 
 class WdsWriter(Writer):
     RESUMES_FROM = "its last complete shard"
+    READ_IN_ORDER = True  # shards are read sequentially (webdataset, packer.stream)
     FILES = ("shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar", "shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar.tmp", INDEX,
              PARTIAL_INDEX)
 
