@@ -280,6 +280,10 @@ class PartedDataset(PackedDataset):
     reader_class = PartedReader
 
 
+# what open_dataset gives the dataset; the other keyword arguments are the reader's options
+_DATASET_ARGS = (set(inspect.signature(PackedDataset.__init__).parameters) | _DECODING_ARGS) - {"root", "options"}
+
+
 def open_dataset(root: str | os.PathLike, **kwargs: Any) -> PackedDataset:
     """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says.
 
@@ -292,6 +296,5 @@ def open_dataset(root: str | os.PathLike, **kwargs: Any) -> PackedDataset:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
         made by several ranks.
     """
-    dataset_args = (set(inspect.signature(PackedDataset.__init__).parameters) | _DECODING_ARGS) - {"root", "options"}
-    reader = open_reader(root, **{k: kwargs.pop(k) for k in list(kwargs) if k not in dataset_args})
+    reader = open_reader(root, **{k: kwargs.pop(k) for k in list(kwargs) if k not in _DATASET_ARGS})
     return _DATASETS.get(type(reader), PackedDataset)(reader, **kwargs)

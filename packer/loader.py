@@ -301,7 +301,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
             False ignores it and prints nothing.
         threads: decode threads per batch (default: the usable cores in the main process, 1 in workers).
         prefetch_batches: batches the in-process loader keeps ready (default: the tuned prefetch_factor, else
-            4; 0 without ``num_workers=0``).
+            4; 0 with worker processes, which prefetch ``prefetch_factor`` batches each).
         drop_last: drop the last, smaller batch of each epoch.
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
