@@ -5,7 +5,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.pack(src, dest, format="lmdb", ...)      # convert (or repack); returns the manifest
     packer.export(dest, out)                        # a packed dataset back to an image folder
     packer.open_dataset(dest, transform=None)       # the format's Dataset
-    packer.LmdbDataset, Hdf5Dataset, WdsDataset, FolderDataset
+    packer.LmdbDataset, Hdf5Dataset, WdsDataset, PartedDataset, FolderDataset
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
     packer.to_device(loader, "cuda", normalize=(mean, std))
     packer.stream(dest, batch_size)                 # sequential reading of WebDataset shards, resumable
@@ -22,11 +22,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "pack": "packer.convert",
     "export": "packer.exporter",
-    "open_dataset": "packer.formats",
+    "open_dataset": "packer.dataset",
     "read_manifest": "packer.manifest",
-    "LmdbDataset": "packer.formats.lmdb",
-    "Hdf5Dataset": "packer.formats.hdf5",
-    "WdsDataset": "packer.formats.wds",
+    "LmdbDataset": "packer.dataset",
+    "Hdf5Dataset": "packer.dataset",
+    "WdsDataset": "packer.dataset",
+    "PartedDataset": "packer.dataset",
     "stream": "packer.streaming",
     "FolderDataset": "packer.folder",
     "make_loader": "packer.loader",

@@ -26,7 +26,6 @@ import ctypes
 import ctypes.util
 import gc
 import importlib.metadata
-import io
 import itertools
 import json
 import math
@@ -460,7 +459,7 @@ class Target:
             from .folder import FolderDataset
 
             return FolderDataset(self.root, decoder="pil", resize=self.read_resize, center_crop=self.read_crop)
-        from .formats import open_dataset
+        from .dataset import open_dataset
 
         return open_dataset(self.root, resize=self.read_resize, center_crop=self.read_crop)
 
@@ -530,12 +529,9 @@ def make_bench_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: i
     kwargs: dict[str, Any] = {"num_workers": workers, **overrides}
     if workers > 0 and prefetch_factor:
         kwargs["prefetch_factor"] = prefetch_factor
-    # Every setting is given explicitly, so a loader.json beside the dataset does not apply; its notice would mislead.
-    with contextlib.redirect_stderr(io.StringIO()):
-        loader = make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, **kwargs)
-    if workers == 0 and prefetch_factor and hasattr(loader, "prefetch_batches"):
-        loader.prefetch_batches = prefetch_factor
-    return loader
+    # Every setting is given explicitly, so a loader.json beside the dataset does not apply (tuned=False).
+    return make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, tuned=False,
+                       prefetch_batches=prefetch_factor if workers == 0 and prefetch_factor else None, **kwargs)
 
 
 def _check_signature(signature: tuple, expected: tuple | None, where: str) -> tuple:
@@ -601,7 +597,7 @@ def _run_once(target: Target, workers: int, cache: str, settings: dict[str, Any]
         prewarm(target.files)
     resident = resident_fraction(target.files)
     loader = make_bench_loader(ds, settings["batch_size"], workers, settings["prefetch_factor"], seed=repeat)
-    threads = getattr(ds, "threads", 1)
+    threads = loader.threads
     epochs = run_epochs(loader, settings["epochs"], settings["step_ms"] / 1000, expected=expected,
                         where=f"{target.dataset} {target.store}", bar=bar)
     # Every epoch ran to its end, so nothing reads any more: shut the workers down and unmap before the next
@@ -1046,7 +1042,7 @@ def _tune_one(target: Target, workers: int, batch_size: int, prefetch: int, samp
     epoch = min(len(ds), samples + WARMUP_BATCHES * batch_size)
     sampler = torch.utils.data.RandomSampler(ds, num_samples=epoch, generator=torch.Generator().manual_seed(0))
     loader = make_bench_loader(ds, batch_size, workers, prefetch, sampler=sampler)
-    threads = getattr(ds, "threads", 1)
+    threads = loader.threads
     measured = seconds = 0.0
     first = batch = None
     seen = 0

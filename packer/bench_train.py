@@ -35,6 +35,6 @@ def open_train(dataset: str, root: Any, size: tuple[int, int]) -> Any:
         from .folder import FolderDataset
 
         return FolderDataset(root, decoder="pil", random_resized_crop=size, flip=True)
-    from .formats import open_dataset
+    from .dataset import open_dataset
 
     return open_dataset(root, random_resized_crop=size, flip=True)

@@ -7,7 +7,7 @@ format's usual writer and its own journal (so ``--resume`` resumes every part), 
 ``part-{r:05d}/part.json`` (its count, files, shards, skipped images). Rank 0 prepares DEST first, waits for every
 part, and writes the one ``DEST/manifest.json`` over all of them: paths in ``files`` and ``shards`` are relative
 to DEST (``part-00000/data.mdb``), and ``parts`` lists each part's folder, count and range.
-:func:`packer.open_dataset` reads it as one dataset (:class:`packer.formats.parts.PartedDataset`).
+:func:`packer.open_dataset` reads it as one dataset (:class:`packer.dataset.PartedDataset`).
 
 DEST must be a folder every node sees (a shared filesystem). Ranks coordinate through the process group's
 key-value store (``init_process_group("gloo")`` when torchrun started the process and no group exists yet):

@@ -35,7 +35,7 @@ from .lock import check_parts_free
 from .manifest import FORMAT_VERSION
 from .options import PackOptions
 from .sources import SampleReader, Source, open_source
-from .system import usable_cores
+from .system import process_context, usable_cores
 from .transforms import TransformSpec
 
 CHUNK = 16
@@ -146,7 +146,7 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
         warn(f"--normalize stores {spec.dtype} arrays: {per}x the bytes of raw uint8 and far more than JPEG")
     shuffle = options.shuffle
     if shuffle is None:  # WebDataset is read sequentially, so its order is the shuffle (unless it already is one)
-        shuffle = options.format == "wds" and not source.shuffled
+        shuffle = writer_cls.READ_IN_ORDER and not source.shuffled
     options = replace(options, shuffle=bool(shuffle))
     record = {"format": options.format, "transform": spec.to_dict(), "shuffle": options.shuffle,
               "seed": options.seed, "shard_size": options.shard_size, "shard_samples": options.shard_samples,
@@ -354,7 +354,7 @@ class _Conversion:
                 for chunk in chunks:
                     self.consume(_convert_items(reader, chunk, self.spec))
                 return
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            ctx = process_context()
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(reader,))
             try:
                 pending: deque = deque()

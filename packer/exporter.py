@@ -33,20 +33,13 @@ from tqdm import tqdm
 
 from .dest import check_output, export_problems, prepare_output
 from .errors import CorruptDataError, DestinationError, PackerError
+from .formats import open_reader
+from .manifest import is_safe_name, is_safe_relpath
 from .scan import is_image_file
 from .system import usable_cores
 from .transforms import to_pil
 
 SUFFIXES = {"jpeg": (".jpg", ".jpeg"), "png": (".png",), "raw": (".png",)}
-
-
-def _safe_component(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
-
-
-def _safe_relpath(rel: str) -> bool:
-    parts = rel.split("/")
-    return bool(rel) and not rel.startswith("/") and all(_safe_component(p) for p in parts)
 
 
 def _check_out(out: Path, dest: Path, manifest: dict, overwrite: bool) -> None:
@@ -92,20 +85,18 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     """Write the packed dataset ``dest`` (any format) to the image folder ``out``; see the module docstring.
     ``out`` must be new or empty, or an image folder (a previous export) with ``overwrite=True``. Returns
     ``{"out", "count", "classes", "renamed"}`` (renamed: samples whose extension changed)."""
-    from .formats import open_dataset
-
     dest, out = Path(dest), Path(out)
-    ds = open_dataset(dest, decode=False, verify=True)
-    store = ds.spec.store
-    if ds.spec.normalize:
-        raise PackerError(f"{dest}: stores normalized {ds.spec.dtype} arrays, which are not images; export needs "
+    reader = open_reader(dest)
+    store = reader.spec.store
+    if reader.spec.normalize:
+        raise PackerError(f"{dest}: stores normalized {reader.spec.dtype} arrays, which are not images; export needs "
                           "a dataset of pixels or encoded images")
-    classes = ds.classes
+    classes = reader.classes
     for name in classes:
-        if not _safe_component(name):
+        if not is_safe_name(name):
             raise CorruptDataError(f"{dest}: class name {name!r} cannot be a folder name; refusing to export")
-    _check_out(out, dest, ds.manifest, overwrite)
-    relpaths = [ds.relpath(i) for i in range(len(ds))]
+    _check_out(out, dest, reader.manifest, overwrite)
+    relpaths = [reader.relpath(i) for i in range(len(reader))]
     kept = set(relpaths)  # the names samples keep: a renamed one must not take one of them
     class_names = set(classes)
 
@@ -123,19 +114,20 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     except OSError as exc:
         raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
                                "destination") from None
-    bar = tqdm(total=len(ds), unit="img", disable=not progress, desc=f"exporting {ds.format}", dynamic_ncols=True)
+    bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",
+               dynamic_ncols=True)
     try:
         for name in classes:
             (partial / name).mkdir(exist_ok=True)
         with ThreadPoolExecutor(workers, thread_name_prefix="packer-export") as pool:
             pending: deque = deque()
             for i, rel in enumerate(relpaths):
-                data, label = ds.raw_sample(i)  # read in this thread: format handles are not shared across threads
+                data, label = reader.raw_sample(i)  # checked, in this thread: format handles are not shared
                 if not 0 <= label < len(classes):
-                    raise CorruptDataError(f"{ds._describe(i)}: label {label} is not a class index; "
+                    raise CorruptDataError(f"{reader.describe(i)}: label {label} is not a class index; "
                                            "run `packer verify`")
-                if not _safe_relpath(rel):
-                    raise CorruptDataError(f"{ds._describe(i)}: relative path {rel!r} is absolute or has '..'; "
+                if not is_safe_relpath(rel, normalized=True):
+                    raise CorruptDataError(f"{reader.describe(i)}: relative path {rel!r} is absolute or has '..'; "
                                            "refusing to export it")
                 target = rel if rel.split("/", 1)[0] == classes[label] and "/" in rel else f"{classes[label]}/{rel}"
                 allowed = SUFFIXES.get(store)
@@ -143,7 +135,7 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
                     target = _unused_name(target, allowed[0], taken)
                     renamed += 1
                 if target in written:
-                    raise PackerError(f"{ds._describe(i)}: two samples would be written to {out / target}; the "
+                    raise PackerError(f"{reader.describe(i)}: two samples would be written to {out / target}; the "
                                       "dataset holds the same relative path twice")
                 written.add(target)
                 pending.append(pool.submit(_write, partial / target, data))
@@ -161,4 +153,4 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     finally:
         bar.close()
         shutil.rmtree(partial, ignore_errors=True)  # gone already when the export succeeded
-    return {"out": str(out), "count": len(ds), "classes": len(classes), "renamed": renamed}
+    return {"out": str(out), "count": len(reader), "classes": len(classes), "renamed": renamed}

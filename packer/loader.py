@@ -35,16 +35,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
-from .formats.base import PackedBatch, PackedDataset
 from .sampler import EpochPass, ResumableSampler
 from .system import usable_cores
 
 TUNED = "loader.json"
-
-
-def default_workers() -> int:
-    return usable_cores()
 
 
 def collate(batch: list) -> Any:
@@ -68,6 +64,7 @@ def seed_worker(worker_id: int) -> None:
 
 
 def tuned_settings(dataset: Dataset) -> dict[str, Any]:
+    """The settings ``packer bench --tune`` saved beside the dataset (``loader.json``), said on stderr; {} if none."""
     root = getattr(dataset, "root", None)
     path = root / TUNED if root is not None else None
     if path is None or not path.exists():
@@ -93,9 +90,11 @@ class PrefetchLoader(DataLoader):
     :meth:`state_dict` is the position after the batches the caller has received (the sampler and the workers
     run ahead of it), and :meth:`load_state_dict` makes the next iteration the rest of that epoch."""
 
-    def __init__(self, *args, prefetch_batches: int = 4, **kwargs):
+    def __init__(self, *args, prefetch_batches: int = 4, threads: int = 1, pin_batches: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefetch_batches = prefetch_batches
+        self.threads = threads  # decode threads per batch, in each process that reads
+        self.pin_batches = pin_batches  # batches are made in pinned memory (then pin_memory itself is off)
         self._received: Received | None = None  # the latest iteration's pass and the batches handed out of it
 
     def __iter__(self):
@@ -255,7 +254,33 @@ class _BackgroundIterator:
         self.stop.set()
 
 
+class BatchReads(Dataset):
+    """What :func:`make_loader` hands the DataLoader for a packed dataset: a view whose batch reads carry the
+    loader's decode threads and pinning, so the dataset is never changed and one dataset can back several
+    loaders with different settings. Other attributes are the dataset's."""
+
+    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool):
+        self.dataset = dataset
+        self.threads = threads
+        self.pin_memory = pin_memory
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list:
+        return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
+                tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
     """A ``torch.utils.data.DataLoader`` over ``dataset`` with the defaults above; ``overrides`` win.
 
@@ -265,23 +290,41 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     For packer's datasets, unless ``num_workers`` is given, batches are decoded in the main process on one
     thread per usable core and prefetched in the background (:class:`PrefetchLoader`); batches are allocated
     in pinned memory when CUDA is available. Pass ``num_workers=N`` for N worker processes instead (each
-    decoding on one thread), as for any other dataset."""
-    tuned = tuned_settings(dataset)
+    decoding on one thread), as for any other dataset. The dataset itself is not changed.
+
+    Args:
+        dataset: any map-style or iterable Dataset; packer's get the settings above.
+        batch_size: samples per batch (default: the tuned one, else 64).
+        shuffle: a new random order every epoch (from ``seed`` and the epoch).
+        seed: the sample order's seed.
+        tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present (and say so on stderr);
+            False ignores it and prints nothing.
+        threads: decode threads per batch (default: the usable cores in the main process, 1 in workers).
+        prefetch_batches: batches the in-process loader keeps ready (default: the tuned prefetch_factor, else
+            4; 0 with worker processes, which prefetch ``prefetch_factor`` batches each).
+        drop_last: drop the last, smaller batch of each epoch.
+        **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
+
+    Returns:
+        A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
+    """
+    tuned_values = tuned_settings(dataset) if tuned else {}
     if batch_size is None:
-        batch_size = tuned.get("batch_size", 64)
+        batch_size = tuned_values.get("batch_size", 64)
     cuda = torch.cuda.is_available()
-    threaded = isinstance(dataset, PackedDataset) and "num_workers" not in overrides and "num_workers" not in tuned
-    workers = 0 if threaded else overrides.get("num_workers", tuned.get("num_workers", default_workers()))
+    packed = isinstance(dataset, PackedDataset)
+    threaded = packed and "num_workers" not in overrides and "num_workers" not in tuned_values
+    workers = 0 if threaded else overrides.get("num_workers", tuned_values.get("num_workers", usable_cores()))
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers, "pin_memory": cuda,
                                 "collate_fn": collate, "drop_last": drop_last}
     if workers > 0:
-        settings.update(persistent_workers=True, prefetch_factor=tuned.get("prefetch_factor", 4),
+        settings.update(persistent_workers=True, prefetch_factor=tuned_values.get("prefetch_factor", 4),
                         worker_init_fn=seed_worker)
-    if isinstance(dataset, PackedDataset):
-        dataset.threads = overrides.pop("threads", default_workers() if workers == 0 else 1)
-        if workers == 0 and cuda and overrides.get("pin_memory", True):
-            dataset.pin_memory = True  # the batch is made in pinned memory: no second copy to pin it
-            settings["pin_memory"] = False
+    if threads is None:
+        threads = usable_cores() if workers == 0 and packed else 1
+    pin_batches = packed and workers == 0 and cuda and overrides.get("pin_memory", True)
+    if pin_batches:
+        settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it
     if "sampler" not in overrides and "batch_sampler" not in overrides and not isinstance(dataset, IterableDataset):
         settings["sampler"] = ResumableSampler(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                                drop_last=drop_last)
@@ -289,8 +332,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     if settings.get("batch_sampler") is not None:
         for key in ("batch_size", "drop_last", "sampler"):
             settings.pop(key, None)
-    prefetch = tuned.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
-    return PrefetchLoader(dataset, prefetch_batches=prefetch, **settings)
+    if prefetch_batches is None:
+        prefetch_batches = tuned_values.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
+    data = BatchReads(dataset, threads, pin_batches) if packed else dataset
+    return PrefetchLoader(data, prefetch_batches=prefetch_batches, threads=threads, pin_batches=pin_batches,
+                          **settings)
 
 
 class DeviceLoader:

@@ -85,11 +85,11 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
         raise ManifestError(f"{where}: classes, class_to_idx or count are inconsistent; re-pack the dataset")
     for entry in data["files"]:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
-                and _is_safe_relpath(entry["path"])):
+                and is_safe_relpath(entry["path"])):
             raise ManifestError(f"{where}: malformed entry in 'files'; the dataset is damaged, re-pack it")
     shards = data.get("shards", [])
     if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("path"), str) and _is_safe_relpath(s["path"])
+            isinstance(s, dict) and isinstance(s.get("path"), str) and is_safe_relpath(s["path"])
             and isinstance(s.get("count", 0), int) for s in shards):
         raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
     from .transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
@@ -101,9 +101,22 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
     return data
 
 
-def _is_safe_relpath(name: str) -> bool:
+def is_safe_name(name: object) -> bool:
+    """Whether ``name`` is one plain file or folder name: not empty, ``.`` or ``..``, no separator or NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def is_safe_relpath(name: object, normalized: bool = False) -> bool:
+    """Whether ``name`` is a relative path that stays inside its folder: a non-empty string, '/'-separated, not
+    absolute, with no ``..`` component, backslash or NUL. ``normalized`` also refuses empty and ``.``
+    components (``a//b``, ``./a``, ``a/``): every component a plain name, as a file to write must be."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
+        return False
     parts = name.split("/")
-    return bool(name) and not name.startswith("/") and ".." not in parts and "\\" not in name
+    if normalized:
+        return all(is_safe_name(part) for part in parts)
+    return ".." not in parts
 
 
 def _holds_images(folder: Path) -> bool:

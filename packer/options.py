@@ -26,6 +26,7 @@ from .transforms import (
     MAX_SIDE,
     STORES,
     TransformSpec,
+    as_pair,
     parse_size,
 )
 
@@ -175,7 +176,7 @@ class PackOptions:
         store = self.store if self.store is not None else default_store
         mode = self.mode or default_mode or "RGB"
         crop = _size("--center-crop", self.center_crop)
-        crop = (crop, crop) if isinstance(crop, int) else crop
+        crop = as_pair(crop)
         resize = _size("--resize", self.resize)
         channels = 1 if mode == "L" else 3
         mean = IMAGENET_MEAN[:channels] if self.mean is None else tuple(self.mean)

@@ -7,9 +7,9 @@ process uses to read sample ``i`` and convert it.
 
 - :class:`FolderSource`: ``SRC/<class>/**/<image>``, scanned with ImageFolder's rules (:func:`packer.scan_folder`).
 - :class:`PackedSource`: a folder with a ``manifest.json`` (any format, also one converted by several ranks), read
-  through :func:`packer.open_dataset` with ``decode=False``: the stored bytes, or the stored array for ``raw``.
+  through its reader (:func:`packer.formats.open_reader`): the stored bytes, or the stored array for ``raw``.
 - :class:`ShardsSource`: ``.tar`` shards written by any WebDataset tool (``webdataset.ShardWriter``, img2dataset),
-  a folder of them, a single one, or a glob; read through :meth:`WdsDataset.from_shards` with a ``label_key``.
+  a folder of them, a single one, or a glob; read through :meth:`WdsReader.from_shards` with a ``label_key``.
 
 A repacked sample keeps the relative path it has in its source, so repacking keeps relpaths, and with
 ``store=original`` the exact stored bytes.
@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ImageError, PackerError, SourceError, UsageError
+from .formats import Reader, open_reader
+from .formats.wds import WdsReader
 from .manifest import JOURNAL, MANIFEST
 from .scan import scan_folder
 from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert_bytes, convert_file
@@ -122,7 +124,6 @@ class FolderSource(Source):
     def __init__(self, root: str | os.PathLike, include_hidden: bool = False):
         scan = scan_folder(root, include_hidden=include_hidden)
         super().__init__(Path(root), scan.classes, len(scan.samples))
-        self.scan = scan
         self.samples = scan.samples
         self.hidden_skipped = scan.hidden_skipped
         self.empty_classes = scan.empty_classes
@@ -162,24 +163,18 @@ class FolderSource(Source):
 class DatasetReader(SampleReader):
     """Reads the stored bytes (or array) of a packed dataset or of foreign shards and converts them."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, reader: Reader):
+        self.reader = reader
 
     def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
-        ds = self.dataset
+        reader = self.reader
         relpath = f"sample {index}"
         try:
-            ds.open()
-            relpath = ds.relpath(index)
-            sample = ds._checked(index, ds._read(index))
-            foreign_array = getattr(ds, "_foreign", None) is not None and tuple(sample.shape) != (0, 0, 0)
-            if ds._is_raw or foreign_array:
-                dtype = ds.spec.dtype if ds._is_raw else "uint8"
-                try:
-                    array = np.frombuffer(sample.payload, dtype=dtype).reshape(sample.shape)
-                except ValueError:
-                    raise ImageError(relpath, f"stored array has {len(sample.payload)} bytes, not the {sample.shape} "
-                                              "it should; the source is damaged") from None
+            reader.open()
+            relpath = reader.relpath(index)
+            sample = reader.checked(index, reader.read(index))
+            array = reader.stored_array(index, sample)
+            if array is not None:
                 encoded = convert_array(array, relpath, spec)
             else:
                 encoded = convert_bytes(bytes(sample.payload), relpath, spec)
@@ -199,20 +194,18 @@ class PackedSource(Source):
     kind = "packed"
 
     def __init__(self, root: str | os.PathLike):
-        from .formats import open_dataset
-
         root = Path(root)
-        ds = open_dataset(root, decode=False, verify=True)
-        ds.open()  # a damaged or unreadable data file is one error here, not one skipped line per sample
-        manifest = ds.manifest
-        super().__init__(root, ds.classes, len(ds))
-        if ds.spec.normalize:
-            raise SourceError(f"{root}: stores normalized {ds.spec.dtype} arrays, which cannot be turned back into "
-                              "pixels; re-pack from the original image folder")
-        self.dataset = ds
+        reader = open_reader(root)
+        reader.open()  # a damaged or unreadable data file is one error here, not one skipped line per sample
+        manifest = reader.manifest
+        super().__init__(root, reader.classes, len(reader))
+        if reader.spec.normalize:
+            raise SourceError(f"{root}: stores normalized {reader.spec.dtype} arrays, which cannot be turned back "
+                              "into pixels; re-pack from the original image folder")
+        self.stored_reader = reader
         self.manifest = manifest
-        self.stored = ds.spec.store
-        self.mode = ds.spec.mode
+        self.stored = reader.spec.store
+        self.mode = reader.spec.mode
         self.shape = manifest.get("shape")
         self.shuffled = bool((manifest.get("order") or {}).get("shuffle"))
         self.empty_classes = list(manifest.get("empty_classes") or [])
@@ -229,7 +222,7 @@ class PackedSource(Source):
                                          sort_keys=True).encode()).hexdigest()
 
     def reader(self) -> SampleReader:
-        return DatasetReader(self.dataset)
+        return DatasetReader(self.stored_reader)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "format": self.manifest["format"], "store": self.stored,
@@ -252,21 +245,19 @@ class ShardsSource(Source):
     kind = "shards"
 
     def __init__(self, paths: list[Path], label_key: str = "cls", pattern: str | None = None):
-        from .formats.wds import WdsDataset
-
-        ds = WdsDataset.from_shards(paths, label_key=label_key, decode=False, warn_skipped=False)
-        super().__init__(ds.root, ds.classes, len(ds))
-        self.errors = list(ds.skipped)  # link and repeated members: warned about and listed in the manifest
-        self.dataset = ds
+        reader = WdsReader.from_shards(paths, label_key=label_key, warn_skipped=False)
+        super().__init__(reader.root, reader.classes, len(reader))
+        self.errors = list(reader.skipped)  # link and repeated members: warned about and listed in the manifest
+        self.stored_reader = reader
         self.paths = [Path(p) for p in paths]
         self.label_key = label_key
         self.pattern = pattern
-        index = ds._foreign[0]
+        index = reader.foreign.index
         present = np.bincount(index["label"].astype(np.int64), minlength=len(self.classes)) if len(index) else []
         self.empty_classes = [c for c, n in zip(self.classes, present, strict=False) if n == 0]
 
     def sizes(self) -> np.ndarray:
-        return self.dataset._foreign[0]["size"].astype(np.int64)
+        return self.stored_reader.foreign.index["size"].astype(np.int64)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.label_key.encode())
@@ -276,7 +267,7 @@ class ShardsSource(Source):
         return h.hexdigest()
 
     def reader(self) -> SampleReader:
-        return DatasetReader(self.dataset)
+        return DatasetReader(self.stored_reader)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "shards": [str(p.resolve()) for p in self.paths], "label_key": self.label_key}

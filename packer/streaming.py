@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .errors import CorruptDataError, PackerError
 from .formats.wds import IMAGE_EXTS
-from .loader import default_workers
 from .manifest import read_manifest
 from .sampler import STATE_VERSION, distributed_rank_world
+from .system import usable_cores
 from .transforms import decode
 
 # settings a stream state must share with the stream that loads it: they fix which batch comes when
@@ -266,7 +266,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")
     shards = [(root / s["path"], int(s["count"])) for s in manifest["shards"]]
-    workers = default_workers() if num_workers is None else num_workers
+    workers = usable_cores() if num_workers is None else num_workers
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
     return StreamLoader(shards, settings, mode, buffer)

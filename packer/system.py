@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 
@@ -23,3 +25,9 @@ def usable_cores() -> int:
     if slurm.isdigit():
         cores = min(cores, int(slurm))
     return max(1, cores)
+
+
+def process_context() -> BaseContext:
+    """The start method for packer's process pools: fork where the platform has it (workers inherit what the
+    parent has loaded, and start at once), else spawn."""
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")

@@ -146,6 +146,11 @@ def parse_size(text: str | int | None) -> int | Size | None:
     return size
 
 
+def as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """A size given as one int ``n`` (a square) as ``(n, n)``; a pair (or None) as it is."""
+    return (size, size) if isinstance(size, int) else size
+
+
 def output_size(width: int, height: int, resize: int | Size | None, max_size: int | None) -> Size:
     """The (W, H) that ``resize``/``max_size`` give an image of ``width`` x ``height`` (torchvision's rules)."""
     if isinstance(resize, tuple):

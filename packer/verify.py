@@ -8,20 +8,29 @@ label.
 
 from __future__ import annotations
 
-import json
 import os
-import tarfile
 import zlib
 from pathlib import Path
 
+from .decoding import Decoding
 from .errors import PackerError
-from .formats import open_dataset
-from .formats.parts import PartedDataset
+from .formats import Reader, open_reader
 from .manifest import read_manifest, sha256_file
 
 
 def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
-    """Return the problems found in ``dest`` (empty when it is sound). Raises only for an unreadable manifest."""
+    """Check the packed dataset ``dest`` against its manifest.
+
+    Args:
+        dest: the dataset folder.
+        deep: also check every sample's crc32, decode it, and check its shape and label.
+
+    Returns:
+        The problems found, one line each naming the file (and sample); empty when the dataset is sound.
+
+    Raises:
+        PackerError: only for an unreadable manifest.
+    """
     dest = Path(dest)
     manifest = read_manifest(dest)
     problems: list[str] = []
@@ -40,72 +49,39 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
             problems.append(f"{path}: sha256 differs from the manifest (the file's bytes changed)")
             damaged_files.add(entry["path"])
     try:
-        ds = open_dataset(dest, decode=True)
-        ds._ensure_open()
+        reader = open_reader(dest)
+        reader.open()
     except PackerError as exc:
         return [*problems, str(exc)]
-    problems += _check_counts(ds, manifest)
-    if any(f.rsplit("/", 1)[-1] == "wds_index.npy" for f in damaged_files):  # labels, locations: all from it
+    problems += reader.count_problems()
+    if damaged_files & set(reader.index_files()):  # every sample's label and location come from it
         deep = True
     if damaged_files or deep:
-        problems += _check_samples(ds, manifest, deep, damaged_files)
-    if ds.format == "wds":
-        problems += _check_wds_members(ds, manifest, deep, damaged_files)
+        problems += _check_samples(reader, manifest, deep, damaged_files)
+    problems += reader.member_problems(deep, damaged_files)
     return problems
 
 
-def _within(part: str, damaged_files: set[str]) -> set[str]:
-    """The damaged files of one part, relative to it."""
-    return {f[len(part) + 1:] for f in damaged_files if f.startswith(part + "/")}
-
-
-def _check_counts(ds, manifest: dict) -> list[str]:
-    if isinstance(ds, PartedDataset):  # several ranks' parts: each part against its own count
-        return [p for sub in ds.readers for p in _check_counts(sub, sub.manifest)]
-    problems = []
-    count = manifest["count"]
-    if ds.format == "lmdb":
-        entries = ds.env.stat()["entries"]
-        if entries != count:
-            problems.append(f"{ds.root / 'data.mdb'}: {entries} records, the manifest says {count}")
-    elif ds.format == "hdf5":
-        if len(ds.labels) != count:
-            problems.append(f"{ds.path}: {len(ds.labels)} samples, the manifest says {count}")
-    elif ds.format == "wds":
-        shards = manifest.get("shards", [])
-        if sum(s["count"] for s in shards) != count:
-            problems.append(f"{ds.root}: shard counts add up to {sum(s['count'] for s in shards)}, not {count}")
-    return problems
-
-
-def _sample_file(ds, index: int) -> str:
-    if isinstance(ds, PartedDataset):
-        p, local = ds.locate(index)
-        return f"{ds.part_paths[p]}/{_sample_file(ds.readers[p], local)}"
-    if ds.format == "wds":
-        return ds.manifest["shards"][int(ds.index[index]["shard"])]["path"]
-    return {"lmdb": "data.mdb", "hdf5": "data.h5"}.get(ds.format, "")
-
-
-def _check_samples(ds, manifest: dict, deep: bool, damaged_files: set[str]) -> list[str]:
+def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str]) -> list[str]:
     problems = []
     n_classes = len(manifest["classes"])
     shape = manifest.get("shape")
-    for i in range(len(ds)):
-        if not deep and _sample_file(ds, i) not in damaged_files:
+    decoding = Decoding(reader)
+    for i in range(len(reader)):
+        if not deep and reader.sample_file(i) not in damaged_files:
             continue
-        where = ds._describe(i)
+        where = reader.describe(i)
         try:
-            sample = ds._read(i)
+            sample = reader.read(i)
             if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
                 problems.append(f"{where}: checksum mismatch, the stored bytes are damaged")
                 continue
             if not 0 <= sample.label < n_classes:
                 problems.append(f"{where}: label {sample.label} is not a class index (0..{n_classes - 1})")
             else:
-                ds._check_label(i, sample.label)
+                reader.check_label(i, sample.label)
             if deep:
-                arr = ds._array(i, sample)
+                arr = decoding.decode_array(i, sample)
                 if tuple(arr.shape) != tuple(sample.shape):
                     problems.append(f"{where}: decodes to {tuple(arr.shape)}, recorded as {tuple(sample.shape)}")
                 elif shape and tuple(arr.shape) != tuple(shape):
@@ -113,35 +89,4 @@ def _check_samples(ds, manifest: dict, deep: bool, damaged_files: set[str]) -> l
                                     f"{tuple(shape)}")
         except PackerError as exc:
             problems.append(str(exc))
-    return problems
-
-
-def _check_wds_members(ds, manifest: dict, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
-    """The labels webdataset readers see (the ``.cls`` and ``.json`` members) must agree with the index."""
-    if isinstance(ds, PartedDataset):  # a part's keys start at its first position in the order
-        return [p for sub, part, offset in zip(ds.readers, ds.part_paths, ds.key_offsets, strict=True)
-                for p in _check_wds_members(sub, sub.manifest, deep, _within(part, damaged_files), offset)]
-    problems = []
-    for shard_no, shard in enumerate(manifest.get("shards", [])):
-        path = ds.root / shard["path"]
-        if not (deep or shard["path"] in damaged_files) or not path.exists():
-            continue
-        try:
-            with tarfile.open(path, "r:") as tar:
-                for member in tar:
-                    key, _, ext = member.name.partition(".")
-                    if ext not in ("cls", "json") or not key.isdigit() or not 0 <= int(key) - key_offset < len(ds):
-                        continue
-                    key = str(int(key) - key_offset)
-                    data = tar.extractfile(member).read()
-                    try:
-                        label = int(data) if ext == "cls" else int(json.loads(data)["label"])
-                    except (ValueError, KeyError, TypeError):
-                        label = None
-                    row = ds.index[int(key)]
-                    if label != int(row["label"]) or int(row["shard"]) != shard_no:
-                        problems.append(f"{path} sample {int(key)}: the .{ext} member says label {label}, the "
-                                        f"index says {int(row['label'])}; the label is damaged")
-        except (OSError, tarfile.TarError) as exc:
-            problems.append(f"{path}: damaged tar shard ({exc})")
     return problems

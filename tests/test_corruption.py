@@ -128,9 +128,9 @@ def lmdb_payload(dest, ref):
 
 
 def lmdb_header_for(dest, ref, k):
-    ds = packer.open_dataset(dest, decode=False)
-    ds._ensure_open()
-    sample, rel = ds._get(k)
+    reader = packer.open_dataset(dest, decode=False).reader
+    reader.open()
+    sample, rel = reader._get(k)
     h, w, c = sample.shape
     header = HEADER.pack(MAGIC, sample.label, sample.crc32, h, w, c, 0, len(rel.encode()), len(sample.payload))
     return find_once(dest / "data.mdb", header), sample.label

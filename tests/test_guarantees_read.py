@@ -174,11 +174,11 @@ def test_lmdb_environments_of_replaced_files_are_closed_when_unused(src_a, tmp_p
     pack(src_a, dest, "lmdb")
     old = packer.open_dataset(dest)
     old[0]
-    old_env = old.env
+    old_env = old.reader.env
     pack(src_a, dest, "lmdb", overwrite=True, resize=64, center_crop=64)
     new = packer.open_dataset(dest)
     new[0]
-    assert new.env is not old_env
+    assert new.reader.env is not old_env
     assert old[0][0].shape == (3, 60, 80)  # still in use: still open
     del old
     pack(src_a, dest, "lmdb", overwrite=True, store="png")

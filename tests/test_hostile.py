@@ -30,8 +30,9 @@ from conftest import stored_samples
 from PIL import Image
 
 import packer
+from packer import WdsDataset
 from packer.errors import CorruptDataError
-from packer.formats.wds import WdsDataset, scan_shards
+from packer.formats.wds import scan_shards
 
 TIMEOUT = 120  # seconds: generous; only a hang would reach it
 

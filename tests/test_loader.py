@@ -381,11 +381,38 @@ def test_make_loader_defaults_for_packer_datasets(pack):
     (the documented default) threads of the main process."""
     ds = packer.open_dataset(pack("wds", "raw"))
     loader = packer.make_loader(ds)
-    decoders = loader.num_workers if loader.num_workers else ds.threads
+    decoders = loader.num_workers if loader.num_workers else loader.threads
     assert decoders == usable_cores()
     assert loader.batch_size == 64
     assert loader.persistent_workers == (loader.num_workers > 0)
-    assert (loader.pin_memory or ds.pin_memory) == torch.cuda.is_available()
+    assert (loader.pin_memory or loader.pin_batches) == torch.cuda.is_available()
+
+
+def test_one_dataset_backs_loaders_with_different_threads(pack):
+    """Threads and pinning are the loader's: make_loader leaves the dataset as it was, and two loaders over one
+    dataset decode on their own thread counts and give the same batches."""
+    ds = packer.open_dataset(pack("lmdb", "jpeg"), resize=32, center_crop=32)
+    before = dict(ds.__dict__)
+    one = packer.make_loader(ds, batch_size=BATCH, shuffle=False, threads=1, prefetch_batches=2)
+    three = packer.make_loader(ds, batch_size=BATCH, shuffle=False, threads=3)
+    assert (one.threads, one.prefetch_batches, three.threads, three.prefetch_batches) == (1, 2, 3, 4)
+    assert ds.__dict__ == before
+    for (images_a, labels_a), (images_b, labels_b) in zip(one, three, strict=True):
+        assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+    assert ds.threads == 1
+
+
+def test_tuned_false_ignores_loader_json_silently(tmp_path, sample_data, capsys):
+    dest = tmp_path / "ds"
+    packer.pack(sample_data, dest, "hdf5", store="raw", resize=24, center_crop=24, progress=False)
+    (dest / "loader.json").write_text(json.dumps({"loader": {"batch_size": 5, "prefetch_factor": 2}}))
+    ds = packer.open_dataset(dest)
+    tuned = packer.make_loader(ds)
+    assert (tuned.batch_size, tuned.prefetch_batches) == (5, 2)
+    assert "loader.json" in capsys.readouterr().err
+    plain = packer.make_loader(ds, tuned=False)
+    assert (plain.batch_size, plain.prefetch_batches) == (64, 4)
+    assert capsys.readouterr().err == ""
 
 
 def test_make_loader_overrides_win(pack):

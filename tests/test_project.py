@@ -183,13 +183,5 @@ def test_the_import_walk_sees_imports_inside_functions():
     assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
-def test_no_import_cycle_outside_the_formats_package():
-    cycles = [c for c in import_cycles(module_imports()) if not all(m.startswith("packer.formats") for m in c)]
-    assert cycles == []
-
-
-@pytest.mark.xfail(strict=True, reason="cycle packer.formats <-> formats.base <-> formats.{hdf5,lmdb,parts,wds}: "
-                   "base.get_format imports the concrete formats, which import base (issue 13 point 1: the formats "
-                   "register from formats/__init__.py); remove this mark when that lands")
 def test_no_import_cycle():
     assert import_cycles(module_imports()) == []

@@ -1,4 +1,9 @@
-"""The format registry: one module per format, each with its writer and reader side by side."""
+"""The format registry: one module per format, each with its writer and reader side by side.
+
+Importing this package imports every format module, which registers itself (:func:`register`); the order here
+is the order of :func:`format_names`. Nothing here imports torch: the torch Datasets over these readers are in
+:mod:`packer.dataset`.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,36 @@ import os
 
 from ..errors import ManifestError
 from ..manifest import MANIFEST, read_manifest
-from .base import PackedDataset, Writer, format_names, get_format, register
+from .base import Reader, Sample, Writer, format_names, get_format, register, writer_files
 
-__all__ = ["PackedDataset", "Writer", "format_names", "get_format", "open_dataset", "register"]
+# isort: off
+# importing a format module registers it: this order is format_names()'s, the first the default
+from . import lmdb  # noqa: F401
+from . import hdf5  # noqa: F401
+from . import wds  # noqa: F401
+# isort: on
+from .parts import PartedReader
+
+__all__ = ["PartedReader", "Reader", "Sample", "Writer", "format_names", "get_format", "open_reader", "register",
+           "writer_files"]
 
 
-def open_dataset(root: str | os.PathLike, **kwargs) -> PackedDataset:
-    """Read ``root/manifest.json`` and return the matching Dataset (``LmdbDataset``, ``Hdf5Dataset`` or
-    ``WdsDataset``, or a ``PartedDataset`` over them for a conversion made by several ranks); keyword arguments
-    go to its constructor (``transform``, ``resize``, ``center_crop``...)."""
+def open_reader(root: str | os.PathLike, **options) -> Reader:
+    """The reader of the packed dataset in ``root``, as its ``manifest.json`` says: the format's reader, or a
+    :class:`PartedReader` over them for a conversion made by several ranks.
+
+    Args:
+        root: the dataset folder.
+        **options: the format reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
+
+    Returns:
+        A :class:`Reader`, not yet open (each process opens its own handles on first use).
+    """
     manifest = read_manifest(root)
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:
         raise ManifestError(f"{os.path.join(root, MANIFEST)}: {exc}") from None
     if manifest.get("parts") is not None:  # converted by several ranks: one reader per part
-        from .parts import PartedDataset
-
-        return PartedDataset(root, manifest=manifest, **kwargs)
-    return reader(root, manifest=manifest, **kwargs)
+        return PartedReader(root, manifest=manifest, **options)
+    return reader(root, manifest=manifest, **options)

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import CorruptDataError
 from ..manifest import file_entry
 from ..transforms import Encoded
-from .base import PackedDataset, Sample, Writer, register
+from .base import Reader, Sample, Writer, register
 from .identity import changed_error, check_unchanged, file_id
 
 FILENAME = "data.h5"
@@ -33,8 +33,9 @@ COPY_BYTES = 64 << 20
 class Hdf5Writer(Writer):
     RESUMES_FROM = "nothing: it writes its file whole at the end"
     FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp")
+
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, expected_count, options)
+        super().__init__(dest, spec)
         self.blob_path = dest / (FILENAME + ".blob.tmp")
         self.paths_path = dest / (FILENAME + ".paths.tmp")
         self.blob = open(self.blob_path, "wb")
@@ -102,14 +103,16 @@ def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
     return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape).view(np.ndarray)
 
 
-class Hdf5Dataset(PackedDataset):
+class Hdf5Reader(Reader):
     """Reads an HDF5 dataset. Each process opens the file lazily, memory-maps ``images``, ``offsets``,
     ``shapes``, ``labels`` and ``crc32`` at their file offsets, and reads them with numpy, not per sample
     through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
     filesystems; the file is never written after packing."""
 
-    def __init__(self, root, locking: bool = False, **kwargs):
-        super().__init__(root, **kwargs)
+    HANDLES = ("file", "images", "offsets", "shapes", "labels", "crcs")
+
+    def __init__(self, root, manifest: dict | None = None, locking: bool = False):
+        super().__init__(root, manifest)
         self.locking = locking
         self._count = int(self.manifest["count"])
         self.path = self.root / FILENAME
@@ -118,9 +121,6 @@ class Hdf5Dataset(PackedDataset):
 
     def __len__(self) -> int:
         return self._count
-
-    def _handles(self) -> tuple[str, ...]:
-        return ("file", "images", "offsets", "shapes", "labels", "crcs")
 
     def _open(self) -> None:
         # the open file and the maps keep reading this file if DEST is repacked later; a file replaced before
@@ -144,20 +144,20 @@ class Hdf5Dataset(PackedDataset):
             raise CorruptDataError(f"{self.path}: holds {len(self.labels)} samples, the manifest says "
                                    f"{self._count}; run `packer verify`")
 
-    def _read(self, index: int) -> Sample:
+    def read(self, index: int) -> Sample:
         if self.offsets is None:
             payload = memoryview(self.images[index]).cast("B")
         else:
             a, b = int(self.offsets[index]), int(self.offsets[index + 1])
             if not 0 <= a <= b <= len(self.images):
-                raise CorruptDataError(f"{self._describe(index)}: offsets out of range; run `packer verify`")
+                raise CorruptDataError(f"{self.describe(index)}: offsets out of range; run `packer verify`")
             payload = memoryview(self.images[a:b])
         h, w, c = (int(x) for x in self.shapes[index])
         return Sample(payload, int(self.labels[index]), (h, w, c), int(self.crcs[index]))
 
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""
-        if self.offsets is not None or self.resize or self.center_crop or self.verify:
+        if self.offsets is not None:
             return None
         images = self.images
         for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
@@ -165,12 +165,20 @@ class Hdf5Dataset(PackedDataset):
         return self.labels[indices]
 
     def relpath(self, index: int) -> str:
-        index = self._check_index(index)
-        self._ensure_open()
+        self.open()
         return self.file["relpaths"].asstr()[index]
 
-    def _describe(self, index: int) -> str:
+    def describe(self, index: int) -> str:
         return f"{self.path} sample {index}"
 
+    def sample_file(self, index: int) -> str:
+        return FILENAME
 
-register("hdf5", Hdf5Writer, Hdf5Dataset)
+    def count_problems(self) -> list[str]:
+        count = self.manifest["count"]
+        if len(self.labels) != count:
+            return [f"{self.path}: {len(self.labels)} samples, the manifest says {count}"]
+        return []
+
+
+register("hdf5", Hdf5Writer, Hdf5Reader)

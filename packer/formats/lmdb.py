@@ -33,12 +33,11 @@ import lmdb
 from ..errors import CorruptDataError, PackerError
 from ..manifest import file_entry
 from ..transforms import Encoded
-from .base import PackedDataset, Sample, Writer, register
+from .base import Reader, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
 
 HEADER = struct.Struct("<4siIHHBBHI")
 MAGIC = b"PKR1"
-KEY_DIGITS = 10
 
 
 def key(index: int) -> bytes:
@@ -76,7 +75,7 @@ class LmdbWriter(Writer):
     COMMIT_SAMPLES = 2000
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, expected_count, options)
+        super().__init__(dest, spec)
         # PACKER_LMDB_MAP_BYTES starts from a smaller map, so that tests reach the map growth in _commit
         map_size = (int(os.environ.get("PACKER_LMDB_MAP_BYTES", 0))
                     or max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5)))
@@ -142,7 +141,7 @@ class LmdbWriter(Writer):
 
 
 class _SharedEnv:
-    """An environment this process opened (or inherited at a fork), and the datasets that read it."""
+    """An environment this process opened (or inherited at a fork), and the readers that read it."""
 
     def __init__(self, env: lmdb.Environment, path: Path):
         self.env = env
@@ -158,7 +157,7 @@ _generation = 0
 
 
 def close_environments() -> None:
-    """Close (unmap) every LMDB environment this process's datasets share; they reopen lazily on next use.
+    """Close (unmap) every LMDB environment this process's readers share; they reopen lazily on next use.
     Call it only when no loader is reading: closing a map under a reading thread crashes the process.
 
     Never at a fork, on either side. In the parent, closing before the fork pulls the map from under its
@@ -188,7 +187,7 @@ os.register_at_fork(after_in_child=_new_lock_in_child)
 def _close_unused() -> None:
     """Close the environments of replaced files that no dataset reads any more, so that the deleted files'
     space is given back; only those this process opened (closing an inherited one hangs, see above). A thread
-    reading through an environment holds its dataset, so no reader is left on a closed map."""
+    reading through an environment holds its reader, so no reader is left on a closed map."""
     for key, shared in list(_ENVS.items()):
         now = file_id(shared.path)
         if shared.pid == os.getpid() and not shared.users and (now is None or (now.dev, now.ino) != key):
@@ -196,9 +195,9 @@ def _close_unused() -> None:
             del _ENVS[key]
 
 
-def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbDataset) -> lmdb.Environment:
+def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbReader) -> lmdb.Environment:
     """The environment of the data file noted as ``recorded``: this process's (or the one it inherited), shared
-    by every dataset on that file (read-only, so sharing is safe), else opened now, after checking that the
+    by every reader of that file (read-only, so sharing is safe), else opened now, after checking that the
     file at the path is still that one. Opened under a lock: two threads opening the same dataset at once
     (make_loader's prefetch thread and the main thread) would otherwise both open it, and one would fail."""
     path = root / "data.mdb"
@@ -220,11 +219,11 @@ def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbDataset
         return shared.env
 
 
-class LmdbDataset(PackedDataset):
+class LmdbReader(Reader):
     """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
     ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
 
-    Datasets on the same ``data.mdb`` share its environment. A DEST repacked with ``--overwrite`` holds a new
+    Readers of the same ``data.mdb`` share its environment. A DEST repacked with ``--overwrite`` holds a new
     file: a new dataset opens it, an open one (and its forked workers) keeps reading its own, and one whose file
     was replaced before its first read refuses (see :mod:`packer.formats.identity`).
 
@@ -232,8 +231,10 @@ class LmdbDataset(PackedDataset):
     more, so without it a cold read faults them in one 4 KB page at a time (measured: 0.03x the folder's
     rate on a cold cache); turn it off only for records much smaller than a page."""
 
-    def __init__(self, root, readahead: bool = True, **kwargs):
-        super().__init__(root, **kwargs)
+    HANDLES = ("env", "txn")
+
+    def __init__(self, root, manifest: dict | None = None, readahead: bool = True):
+        super().__init__(root, manifest)
         self.readahead = readahead
         self._count = int(self.manifest["count"])
         self.env = None
@@ -243,9 +244,6 @@ class LmdbDataset(PackedDataset):
 
     def __len__(self) -> int:
         return self._count
-
-    def _handles(self) -> tuple[str, ...]:
-        return ("env", "txn")
 
     def _open(self) -> None:
         path = self.root / "data.mdb"
@@ -276,24 +274,24 @@ class LmdbDataset(PackedDataset):
             raise CorruptDataError(f"{path}: holds {entries} records, the manifest says {self._count}; "
                                    "run `packer verify`")
 
-    def _ensure_open(self) -> None:
+    def open(self) -> None:
         if self._pid is not None and self._generation != _generation:
             self._pid = None  # close_environments() closed this process's environments
-        super()._ensure_open()
+        super().open()
 
     def _value(self, index: int) -> memoryview:
         try:
             value = self.txn.get(key(index))
         except lmdb.Error as exc:
-            raise CorruptDataError(f"{self._describe(index)}: LMDB read failed ({exc}); run `packer verify`") from None
+            raise CorruptDataError(f"{self.describe(index)}: LMDB read failed ({exc}); run `packer verify`") from None
         if value is None:
-            raise CorruptDataError(f"{self._describe(index)}: record missing; the dataset is damaged, re-pack")
+            raise CorruptDataError(f"{self.describe(index)}: record missing; the dataset is damaged, re-pack")
         return value
 
     def _get(self, index: int) -> tuple[Sample, str]:
-        return unpack_record(self._value(index), self._describe(index))
+        return unpack_record(self._value(index), self.describe(index))
 
-    def _read(self, index: int) -> Sample:
+    def read(self, index: int) -> Sample:
         # the hot path: check the header and slice the payload, without decoding the path or naming the sample
         value = self._value(index)
         if len(value) >= HEADER.size:
@@ -304,12 +302,21 @@ class LmdbDataset(PackedDataset):
         return self._get(index)[0]  # raises the detailed error
 
     def relpath(self, index: int) -> str:
-        index = self._check_index(index)
-        self._ensure_open()
+        self.open()
         return self._get(index)[1]
 
-    def _describe(self, index: int) -> str:
+    def describe(self, index: int) -> str:
         return f"{self.root / 'data.mdb'} sample {index}"
 
+    def sample_file(self, index: int) -> str:
+        return "data.mdb"
 
-register("lmdb", LmdbWriter, LmdbDataset)
+    def count_problems(self) -> list[str]:
+        entries = self.env.stat()["entries"]
+        count = self.manifest["count"]
+        if entries != count:
+            return [f"{self.root / 'data.mdb'}: {entries} records, the manifest says {count}"]
+        return []
+
+
+register("lmdb", LmdbWriter, LmdbReader)

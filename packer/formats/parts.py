@@ -8,23 +8,13 @@ found in the part whose cumulative counts contain it, so the order is the one a 
 
 from __future__ import annotations
 
-import inspect
 import os
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import ManifestError
-from ..manifest import MANIFEST
-from .base import PackedDataset, Sample, get_format
-
-_BASE_ARGS = set(inspect.signature(PackedDataset.__init__).parameters) - {"self", "root", "manifest"}
-_NOT_FOR_PARTS = {"transform", "target_transform"}  # applied once, by the dataset over all parts
-
-
-def _is_safe_part(name) -> bool:
-    return (isinstance(name, str) and bool(name) and not name.startswith("/") and "\\" not in name
-            and ".." not in name.split("/"))
+from ..manifest import MANIFEST, is_safe_relpath
+from .base import Reader, Sample, get_format
 
 
 def check_parts(manifest: dict, where: str) -> list[dict]:
@@ -34,8 +24,8 @@ def check_parts(manifest: dict, where: str) -> list[dict]:
         raise ManifestError(f"{where}: malformed 'parts'; the dataset is damaged, re-pack it")
     for entry in parts:
         count = entry.get("count") if isinstance(entry, dict) else None
-        if (not _is_safe_part(entry.get("path") if isinstance(entry, dict) else None) or not isinstance(count, int)
-                or isinstance(count, bool) or count < 0):
+        if (not is_safe_relpath(entry.get("path") if isinstance(entry, dict) else None)
+                or not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise ManifestError(f"{where}: malformed entry in 'parts'; the dataset is damaged, re-pack it")
     if sum(e["count"] for e in parts) != manifest["count"]:
         raise ManifestError(f"{where}: the parts hold {sum(e['count'] for e in parts)} samples, the manifest says "
@@ -55,21 +45,24 @@ def part_manifest(manifest: dict, entry: dict) -> dict:
     return sub
 
 
-class PartedDataset(PackedDataset):
-    """One dataset over the parts of a distributed conversion: one reader of the format per part (each opens its
+def _within(part: str, damaged_files: set[str]) -> set[str]:
+    """The damaged files of one part, relative to it."""
+    return {f[len(part) + 1:] for f in damaged_files if f.startswith(part + "/")}
+
+
+class PartedReader(Reader):
+    """One reader over the parts of a distributed conversion: one reader of the format per part (each opens its
     handles lazily, per process), global index ``i`` mapped to (part, local index) through cumulative counts.
-    ``packer.open_dataset`` returns it for such a manifest; it takes the same arguments as the format's reader."""
+    :func:`packer.formats.open_reader` returns it for such a manifest; it takes the format reader's options."""
 
-    _accepts_parts = True
+    ACCEPTS_PARTS = True
 
-    def __init__(self, root: str | os.PathLike, manifest: dict | None = None, **kwargs):
-        base = {k: kwargs.pop(k) for k in list(kwargs) if k in _BASE_ARGS}
-        super().__init__(root, manifest=manifest, **base)
+    def __init__(self, root: str | os.PathLike, manifest: dict | None = None, **options):
+        super().__init__(root, manifest)
         self.format = self.manifest["format"]
         _, reader_cls = get_format(self.format)
-        parts = check_parts(self.manifest, str(Path(root) / MANIFEST))
-        shared = {k: v for k, v in base.items() if k not in _NOT_FOR_PARTS}
-        self.readers: list[PackedDataset] = []
+        parts = check_parts(self.manifest, str(self.root / MANIFEST))
+        self.readers: list[Reader] = []
         self.part_paths: list[str] = []
         self.key_offsets: list[int] = []  # WebDataset keys of a part start at its first position in the order
         counts = []
@@ -77,7 +70,7 @@ class PartedDataset(PackedDataset):
             if entry["count"] == 0:
                 continue  # a rank whose images were all skipped
             self.readers.append(reader_cls(self.root / entry["path"], manifest=part_manifest(self.manifest, entry),
-                                           **shared, **kwargs))
+                                           **options))
             self.part_paths.append(entry["path"])
             first = entry.get("range", [0])[0] if isinstance(entry.get("range"), list) else 0
             self.key_offsets.append(int(first) if isinstance(first, int) else 0)
@@ -90,21 +83,21 @@ class PartedDataset(PackedDataset):
 
     def _open(self) -> None:
         for reader in self.readers:
-            reader._ensure_open()
+            reader.open()
 
     def locate(self, index: int) -> tuple[int, int]:
         """(part number among the non-empty parts, index within it) of sample ``index`` (in range)."""
         p = int(np.searchsorted(self.starts, index, side="right")) - 1
         return p, index - int(self.starts[p])
 
-    def _part(self, p: int) -> PackedDataset:
+    def _part(self, p: int) -> Reader:
         reader = self.readers[p]
-        reader._ensure_open()
+        reader.open()
         return reader
 
-    def _read(self, index: int) -> Sample:
+    def read(self, index: int) -> Sample:
         p, local = self.locate(index)
-        return self._part(p)._read(local)
+        return self._part(p).read(local)
 
     def _groups(self, indices: list[int]) -> list[tuple[int, np.ndarray, list[int]]]:
         """(part, positions in ``indices``, local indices) for each part the batch touches."""
@@ -116,14 +109,14 @@ class PartedDataset(PackedDataset):
             groups.append((int(p), where, (idx[where] - self.starts[p]).tolist()))
         return groups
 
-    def _read_many(self, indices: list[int]) -> list[Sample]:
+    def read_many(self, indices: list[int]) -> list[Sample]:
         groups = self._groups(indices)
         if len(groups) == 1:
             p, _, local = groups[0]
-            return self._part(p)._read_many(local)
+            return self._part(p).read_many(local)
         out: list[Sample | None] = [None] * len(indices)
         for p, where, local in groups:
-            for j, sample in zip(where.tolist(), self._part(p)._read_many(local), strict=True):
+            for j, sample in zip(where.tolist(), self._part(p).read_many(local), strict=True):
                 out[j] = sample
         return out
 
@@ -142,12 +135,32 @@ class PartedDataset(PackedDataset):
             labels[where] = got
         return labels
 
+    def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
+        p, local = self.locate(index)
+        return self.readers[p].stored_array(local, sample)
+
     def relpath(self, index: int) -> str:
-        p, local = self.locate(self._check_index(index))
+        p, local = self.locate(index)
         return self.readers[p].relpath(local)
 
-    def _describe(self, index: int) -> str:
+    def describe(self, index: int) -> str:
         if 0 <= index < self._count:
             p, local = self.locate(index)
-            return self.readers[p]._describe(local)
+            return self.readers[p].describe(local)
         return f"{self.root} sample {index}"
+
+    def sample_file(self, index: int) -> str:
+        p, local = self.locate(index)
+        return f"{self.part_paths[p]}/{self.readers[p].sample_file(local)}"
+
+    def count_problems(self) -> list[str]:  # each part against its own count
+        return [problem for reader in self.readers for problem in reader.count_problems()]
+
+    def index_files(self) -> tuple[str, ...]:
+        return tuple(f"{part}/{name}" for reader, part in zip(self.readers, self.part_paths, strict=True)
+                     for name in reader.index_files())
+
+    def member_problems(self, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
+        # a part's keys start at its first position in the order
+        return [problem for reader, part, offset in zip(self.readers, self.part_paths, self.key_offsets, strict=True)
+                for problem in reader.member_problems(deep, _within(part, damaged_files), offset)]

@@ -15,7 +15,7 @@ A reader maps each shard on first use and keeps it; a shard (or the index) repla
 manifest, e.g. by ``packer pack --overwrite`` of the same DEST, is refused in one line rather than read at the
 old offsets.
 
-Shards written by other tools (:func:`scan_shards`, :meth:`WdsDataset.from_shards`, and ``packer pack`` from
+Shards written by other tools (:func:`scan_shards`, :meth:`WdsReader.from_shards`, and ``packer pack`` from
 shards) are read as webdataset groups them, by key. What cannot be one unambiguous sample is never dropped or
 guessed silently:
 
@@ -38,14 +38,14 @@ import os
 import re
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import CorruptDataError, PackerError, warn
-from ..manifest import file_entry, fsync_dir
+from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
-from .base import PackedDataset, Sample, Writer, register
+from .base import Reader, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
 
 INDEX = "wds_index.npy"
@@ -79,10 +79,12 @@ def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes
 
 class WdsWriter(Writer):
     RESUMES_FROM = "its last complete shard"
+    READ_IN_ORDER = True  # shards are read sequentially (webdataset, packer.stream)
     FILES = ("shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar", "shard-[0-9][0-9][0-9][0-9][0-9][0-9].tar.tmp", INDEX,
              PARTIAL_INDEX)
+
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, expected_count, options)
+        super().__init__(dest, spec)
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
@@ -195,10 +197,6 @@ class WdsWriter(Writer):
             self.tar.close()
 
 
-def _safe_member(name: str) -> bool:
-    return not (name.startswith("/") or ".." in name.split("/") or "\\" in name)
-
-
 # Labels of shards from other tools become classes "0".."largest label": the cap keeps a stray huge label from
 # making billions of classes (a MemoryError) or millions (measured at 1,000,000: a 28 MB manifest, seconds to
 # parse at every open, 660 MB of memory). Common class-labelled sets fit (ImageNet-21k: 21,841 classes;
@@ -244,7 +242,7 @@ def scan_shards(paths: list[Path], label_key: str = "cls", skipped: list[tuple[s
             noted: set[str] = set()  # keys that already have an entry in skipped
             try:
                 for member in tar:
-                    if not _safe_member(member.name):
+                    if not is_safe_relpath(member.name):
                         raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
                                                "refusing to read this shard")
                     if member.isdir():
@@ -336,7 +334,14 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
     return (shape[0], shape[1], shape[2] if len(shape) == 3 else 1), f.tell()
 
 
-class WdsDataset(PackedDataset):
+class ForeignShards(NamedTuple):
+    """The index :func:`scan_shards` built of shards packer did not write, and each sample's relative path."""
+
+    index: np.ndarray
+    relpaths: np.ndarray
+
+
+class WdsReader(Reader):
     """Random access over WebDataset shards, through byte offsets recorded at pack time: exact ``len()``,
     shuffling and ``DistributedSampler`` work as for the other formats. Shards are memory-mapped per process.
 
@@ -344,13 +349,16 @@ class WdsDataset(PackedDataset):
     :meth:`from_shards`. For sequential or remote reading through the ``webdataset`` library, see
     :func:`packer.stream`."""
 
-    def __init__(self, root, **kwargs):
-        super().__init__(root, **kwargs)
+    HANDLES = ("index", "maps")
+
+    def __init__(self, root, manifest: dict | None = None, foreign: ForeignShards | None = None):
+        super().__init__(root, manifest)
         self._count = int(self.manifest["count"])
         self.shard_paths = [self.root / s["path"] for s in self.manifest.get("shards", [])]
         self.index = None
         self.maps: list | None = None
-        self._foreign: tuple[np.ndarray, np.ndarray] | None = None  # (index, relpaths) of foreign shards
+        self.foreign = foreign  # shards packer did not write: their index, built from the tar headers
+        self.skipped: list[tuple[str, str]] = []
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
         # by a repack of DEST before then is refused rather than read at the old index's offsets
@@ -358,13 +366,13 @@ class WdsDataset(PackedDataset):
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
-                    warn_skipped: bool = True, **kwargs) -> WdsDataset:
+                    warn_skipped: bool = True) -> WdsReader:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
         webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``).
         The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``.
 
         What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
-        in the dataset's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
+        in the reader's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
         warning line; what it refuses raises."""
         paths = [Path(p) for p in paths]
         if not paths:
@@ -380,21 +388,17 @@ class WdsDataset(PackedDataset):
                     "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
                     "shape": None, "checksum": "none",
                     "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
-        dataset = cls(root, manifest=manifest, **kwargs)
-        dataset._foreign = (index, np.array(relpaths, dtype=str))
-        dataset.skipped = skipped
+        reader = cls(root, manifest=manifest, foreign=ForeignShards(index, np.array(relpaths, dtype=str)))
+        reader.skipped = skipped
         if skipped and warn_skipped:
             rel, why = skipped[0]
             shard = next(p for p in paths if p.name == rel.split("/", 1)[0])
             warn(f"skipped {len(skipped)} member(s) of these shards, listed in the dataset's `skipped`; the first: "
                  f"{shard}/{rel.split('/', 1)[1]}: {why}")
-        return dataset
+        return reader
 
     def __len__(self) -> int:
         return self._count
-
-    def _handles(self) -> tuple[str, ...]:
-        return ("index", "maps")
 
     def _open(self) -> None:
         # a forked worker keeps the index and shards its parent mapped (the files the parent reads)
@@ -402,8 +406,8 @@ class WdsDataset(PackedDataset):
             self.maps = [None] * len(self.shard_paths)
         if self.index is not None:
             return
-        if self._foreign is not None:
-            self.index = self._foreign[0]
+        if self.foreign is not None:
+            self.index = self.foreign.index
             return
         path = self.root / INDEX
         try:
@@ -439,11 +443,11 @@ class WdsDataset(PackedDataset):
                 raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
         return m
 
-    def _read(self, index: int) -> Sample:
+    def read(self, index: int) -> Sample:
         row = self.index[index]
         shard = int(row["shard"])
         if shard >= len(self.shard_paths):
-            raise CorruptDataError(f"{self._describe(index)}: index names a missing shard; re-pack")
+            raise CorruptDataError(f"{self.describe(index)}: index names a missing shard; re-pack")
         m = self._map(shard)
         a, size = int(row["offset"]), int(row["size"])
         if a + size > len(m):
@@ -452,24 +456,72 @@ class WdsDataset(PackedDataset):
         crc = int(row["crc32"]) if self._has_crc else None
         return Sample(memoryview(m)[a:a + size], int(row["label"]), tuple(int(x) for x in row["shape"]), crc)
 
+    def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
+        if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
+            return self._as_array(index, sample, "uint8")
+        return super().stored_array(index, sample)
+
     def relpath(self, index: int) -> str:
-        index = self._check_index(index)
-        if self._foreign is not None:
-            return str(self._foreign[1][index])
-        self._ensure_open()
+        if self.foreign is not None:
+            return str(self.foreign.relpaths[index])
+        self.open()
         row = self.index[index]
         a, size = int(row["json_offset"]), int(row["json_size"])
         try:
             return json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))["relpath"]
         except (ValueError, KeyError):
-            raise CorruptDataError(f"{self._describe(index)}: damaged json member; re-pack") from None
+            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack") from None
 
-    def _describe(self, index: int) -> str:
+    def describe(self, index: int) -> str:
         if self.index is not None and 0 <= index < len(self.index):
             shard = int(self.index[index]["shard"])
             if shard < len(self.shard_paths):
                 return f"{self.shard_paths[shard]} sample {index}"
         return f"{self.root} sample {index}"
 
+    def sample_file(self, index: int) -> str:
+        return self.manifest["shards"][int(self.index[index]["shard"])]["path"]
 
-register("wds", WdsWriter, WdsDataset)
+    def count_problems(self) -> list[str]:
+        shards, count = self.manifest.get("shards", []), self.manifest["count"]
+        if sum(s["count"] for s in shards) != count:
+            return [f"{self.root}: shard counts add up to {sum(s['count'] for s in shards)}, not {count}"]
+        return []
+
+    def index_files(self) -> tuple[str, ...]:
+        return (INDEX,)  # labels and locations: all from it
+
+    def member_problems(self, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
+        """The labels webdataset readers see (the ``.cls`` and ``.json`` members) must agree with the index."""
+        problems = []
+        for shard_no, shard in enumerate(self.manifest.get("shards", [])):
+            path = self.root / shard["path"]
+            if not (deep or shard["path"] in damaged_files) or not path.exists():
+                continue
+            try:
+                with tarfile.open(path, "r:") as tar:
+                    for member in tar:
+                        problems += self._member_problem(tar, member, path, shard_no, key_offset)
+            except (OSError, tarfile.TarError) as exc:
+                problems.append(f"{path}: damaged tar shard ({exc})")
+        return problems
+
+    def _member_problem(self, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, shard_no: int,
+                        key_offset: int) -> list[str]:
+        key, _, ext = member.name.partition(".")
+        if ext not in ("cls", "json") or not key.isdigit() or not 0 <= int(key) - key_offset < len(self):
+            return []
+        index = int(key) - key_offset
+        data = tar.extractfile(member).read()
+        try:
+            label = int(data) if ext == "cls" else int(json.loads(data)["label"])
+        except (ValueError, KeyError, TypeError):
+            label = None
+        row = self.index[index]
+        if label != int(row["label"]) or int(row["shard"]) != shard_no:
+            return [f"{path} sample {index}: the .{ext} member says label {label}, the index says "
+                    f"{int(row['label'])}; the label is damaged"]
+        return []
+
+
+register("wds", WdsWriter, WdsReader)

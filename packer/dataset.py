@@ -1,0 +1,300 @@
+"""The torch Datasets over packed data: one generic :class:`PackedDataset` that holds a format's
+:class:`~packer.formats.base.Reader`, and the per-format names users construct (``LmdbDataset(root, ...)``).
+
+The reader finds the stored samples; :class:`~packer.decoding.Decoding` turns each into pixels; this module
+adds what torch needs: tensors, the whole-batch read (``__getitems__``) with its decode threads, and pickling
+for worker processes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from .decoding import Decoding
+from .formats import PartedReader, Reader, open_reader
+from .formats.base import Sample
+from .formats.hdf5 import Hdf5Reader
+from .formats.lmdb import LmdbReader
+from .formats.wds import WdsReader
+
+
+class PackedBatch(list):
+    """What ``__getitems__`` returns: a list of ``(image, label)`` pairs, as ``default_collate`` expects, whose
+    images are views into one batch tensor. :func:`packer.loader.collate` returns that tensor without copying."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """A tensor for a whole batch. In a DataLoader worker it is allocated in shared memory, so sending it to the
+    main process copies nothing (as ``default_collate`` does); in the main process it can be pinned, so the
+    copy to the GPU needs no staging copy."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    numel = int(np.prod(shape))
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+_DECODING_ARGS = set(inspect.signature(Decoding.__init__).parameters) - {"self", "reader"}
+_DATASETS: dict[type[Reader], type[PackedDataset]] = {}  # filled as the subclasses below are defined
+
+
+class PackedDataset(Decoding, Dataset):
+    """A packed dataset as a torch Dataset. ``ds[i]`` is ``(image, label)``: a CHW tensor (uint8, or float when
+    the dataset was packed with --normalize) and an int.
+
+    Args:
+        root: the dataset folder (read with the subclass's reader), or a :class:`~packer.formats.base.Reader`.
+        transform: a callable applied to the CHW tensor (torchvision v2 transforms work).
+        target_transform: a callable applied to the label.
+        decode: False returns the stored bytes (encoded modes) or array (raw) untouched.
+        verify: check each sample's crc32 on read and raise :class:`CorruptDataError` on a mismatch.
+        threads: threads that decode one batch in ``__getitems__`` (default 1). :func:`packer.make_loader`
+            passes its own to each batch read (:meth:`read_batch`) instead. Decoding releases the GIL.
+        manifest: the manifest, when the caller has read it already.
+        resize, center_crop, interpolation: a read-time resize and crop, with the same semantics as the
+            offline ones (``resize=256, center_crop=224``); cheaper than an equivalent ``transform``.
+        decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise; a read-time resize and crop resample only
+            the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale), ``"fast"`` (as
+            auto, and a read-time resize of a JPEG also decodes at a reduced DCT scale: faster validation from
+            large originals, a few levels from Pillow's pixels) or ``"pil"`` (Pillow for everything, resize
+            then crop: torchvision's pipeline, exactly).
+        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
+            decoding, with ``scale`` and ``ratio`` as there. The window depends only on ``(seed, epoch, index)``
+            (see :meth:`augment_params`); it replaces ``resize``/``center_crop``.
+        flip: mirror left-right with probability 0.5, drawn from the same ``(seed, epoch, index)`` stream.
+        seed: the augmentation seed (not the sample order's: that is the sampler's).
+        **options: the reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
+
+    Nothing that cannot cross a fork or a pickle is opened in ``__init__``: each process opens its own handles
+    on first use (checked by pid), and pickling drops them.
+    """
+
+    reader_class: ClassVar[type[Reader] | None] = None  # what a subclass reads ``root`` with
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.reader_class is not None:
+            _DATASETS.setdefault(cls.reader_class, cls)  # open_dataset gives a reader's first dataset class
+
+    def __init__(self, root: str | os.PathLike | Reader, transform: Callable | None = None,
+                 target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
+                 threads: int = 1, manifest: dict | None = None, **options: Any):
+        decoding = {k: options.pop(k) for k in list(options) if k in _DECODING_ARGS}
+        if isinstance(root, Reader):
+            if manifest is not None or options:
+                raise TypeError(f"a dataset over a given reader takes no reader options ({', '.join(options)})")
+            reader = root
+        elif self.reader_class is None:
+            raise TypeError("PackedDataset reads through a Reader: pass one, or use packer.open_dataset(root)")
+        else:
+            reader = self.reader_class(root, manifest=manifest, **options)
+        super().__init__(reader, **decoding)
+        self.root = reader.root
+        self.manifest = reader.manifest
+        self.classes: list[str] = reader.classes
+        self.class_to_idx: dict[str, int] = reader.class_to_idx
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = decode
+        self.verify = verify
+        self.threads = threads
+        self._executors: dict[int, ThreadPoolExecutor] = {}  # by thread count, this process's
+        self._executors_pid: int | None = None
+
+    @property
+    def format(self) -> str:
+        """The storage format's name (``lmdb``, ``hdf5``, ``wds``; ``folder`` for a :class:`FolderDataset`)."""
+        return self.reader.format
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def open(self) -> None:
+        """Open this process's handles now instead of at the first read, so that a missing, damaged or
+        replaced data file is reported before any sample is asked for."""
+        self.reader.open()
+
+    def relpath(self, index: int) -> str:
+        """The sample's path relative to the source folder, with '/' separators."""
+        return self.reader.relpath(self.reader.check_index(index))
+
+    def raw_sample(self, index: int) -> tuple[bytes | np.ndarray, int]:
+        """The stored bytes (encoded modes) or a copy of the stored array (raw), and the label."""
+        return self.reader.raw_sample(self.reader.check_index(index), verify=self.verify)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_executors"] = {}
+        state["_executors_pid"] = None
+        return state
+
+    def _verified(self, index: int, sample: Sample) -> Sample:
+        return self.reader.checked(index, sample) if self.verify else sample
+
+    def _finish(self, image: torch.Tensor, label: int) -> tuple[Any, Any]:
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def _parallel(self, fn: Callable, items: list, threads: int) -> None:
+        """Run ``fn`` over ``items``, on ``threads`` decode threads of this process when there are several."""
+        if threads <= 1 or len(items) < 2:
+            for item in items:
+                fn(item)
+            return
+        if self._executors_pid != os.getpid():  # a forked child has none of its parent's threads
+            self._executors, self._executors_pid = {}, os.getpid()
+        executor = self._executors.get(threads)
+        if executor is None:
+            executor = self._executors[threads] = ThreadPoolExecutor(threads, thread_name_prefix="packer-decode")
+        for _ in executor.map(fn, items):
+            pass
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        if not self.decode:
+            return self.raw_sample(index)
+        epoch = getattr(index, "epoch", self.epoch)  # before normalising: index % n drops it
+        index = self.reader.check_index(index)
+        self.reader.open()
+        sample = self._verified(index, self.reader.read(index))
+        arr = self.decode_array(index, sample, epoch=epoch)
+        image = torch.from_numpy(np.array(arr) if not arr.flags.writeable else arr).permute(2, 0, 1)
+        return self._finish(image, sample.label)
+
+    def __getitems__(self, indices: list[int]) -> list:
+        """A whole batch in one call, on this dataset's ``threads``: see :meth:`read_batch`."""
+        return self.read_batch(indices)
+
+    def read_batch(self, indices: list[int], threads: int | None = None, pin_memory: bool = False) -> list:
+        """A whole batch in one call: one read of the format, then every image written straight into one
+        (B, H, W, C) batch tensor.
+
+        Args:
+            indices: sample indices (an ``EpochIndex`` carries the epoch its augmentation uses).
+            threads: decode threads (default: the dataset's ``threads``).
+            pin_memory: allocate the batch in pinned memory (in the main process), so that the copy to the GPU
+                needs no staging copy.
+
+        Returns:
+            A :class:`PackedBatch` whose images are CHW views of the batch tensor; a list of ``(image, label)``
+            pairs when a transform applies or images vary in size; the stored samples with ``decode=False``.
+        """
+        if not self.decode:
+            return [self.raw_sample(i) for i in indices]
+        threads = self.threads if threads is None else threads
+        reader = self.reader
+        epochs = [getattr(i, "epoch", self.epoch) for i in indices]  # before normalising: index % n drops it
+        indices = [reader.check_index(i) for i in indices]
+        reader.open()
+        shape = self.output_shape()
+        copies_only = reader.is_raw and not (self.resize or self.center_crop or self.augments)
+        # a copy each is less work than handing it to a thread
+        decode_threads = 1 if copies_only else threads
+        if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
+            samples = reader.read_many(indices)
+            arrays: list = [None] * len(indices)
+
+            def decode_one(j: int) -> None:
+                arr = self.decode_array(indices[j], self._verified(indices[j], samples[j]), epoch=epochs[j])
+                arrays[j] = arr if arr.flags.writeable else np.array(arr)
+
+            self._parallel(decode_one, list(range(len(indices))), decode_threads)
+            return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
+                    for arr, s in zip(arrays, samples, strict=True)]
+        dtype = {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
+        batch = empty_batch((len(indices), *shape), dtype, pin_memory)
+        out = batch.numpy()
+        labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
+        if labels is None:
+            samples = reader.read_many(indices)
+            fill = lambda j: self.decode_array(indices[j], self._verified(indices[j], samples[j]),  # noqa: E731
+                                               out[j], epochs[j])
+            self._parallel(fill, list(range(len(indices))), decode_threads)
+            labels = [s.label for s in samples]
+        images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy
+        labels = torch.as_tensor(labels, dtype=torch.int64)
+        pairs = zip(images.unbind(0), labels.tolist(), strict=True)
+        if self.transform is not None or self.target_transform is not None:
+            return [self._finish(image, label) for image, label in pairs]
+        result = PackedBatch(pairs)
+        result.images, result.labels = images, labels
+        return result
+
+
+class LmdbDataset(PackedDataset):
+    """An LMDB dataset (:class:`packer.formats.lmdb.LmdbReader`): ``LmdbDataset(root, readahead=True, ...)``."""
+
+    reader_class = LmdbReader
+
+
+class Hdf5Dataset(PackedDataset):
+    """An HDF5 dataset (:class:`packer.formats.hdf5.Hdf5Reader`): ``Hdf5Dataset(root, locking=False, ...)``."""
+
+    reader_class = Hdf5Reader
+
+
+class WdsDataset(PackedDataset):
+    """WebDataset shards with random access (:class:`packer.formats.wds.WdsReader`). For sequential or remote
+    reading through the ``webdataset`` library, see :func:`packer.stream`."""
+
+    reader_class = WdsReader
+
+    @classmethod
+    def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
+                    warn_skipped: bool = True, **kwargs: Any) -> WdsDataset:
+        """Random access to shards packer did not write (see :meth:`WdsReader.from_shards`).
+
+        Args:
+            paths: the shard files.
+            label_key: where the integer label is: ``cls``, or ``json:FIELD``.
+            classes: the class names (default ``"0"``..``"max label"``).
+            warn_skipped: say in one warning line what was left out.
+            **kwargs: the dataset's arguments (``transform``, ``decode``...).
+
+        Returns:
+            The dataset; its ``skipped`` lists what :func:`~packer.formats.wds.scan_shards` left out, as
+            ``[("SHARD/MEMBER", why)]``.
+        """
+        dataset = cls(WdsReader.from_shards(paths, label_key, classes, warn_skipped), **kwargs)
+        dataset.skipped = dataset.reader.skipped
+        return dataset
+
+
+class PartedDataset(PackedDataset):
+    """One dataset over the parts of a distributed conversion (:class:`packer.formats.parts.PartedReader`);
+    :func:`open_dataset` returns it for such a manifest. It takes the same arguments as the format's dataset."""
+
+    reader_class = PartedReader
+
+
+# what open_dataset gives the dataset; the other keyword arguments are the reader's options
+_DATASET_ARGS = (set(inspect.signature(PackedDataset.__init__).parameters) | _DECODING_ARGS) - {"root", "options"}
+
+
+def open_dataset(root: str | os.PathLike, **kwargs: Any) -> PackedDataset:
+    """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says.
+
+    Args:
+        root: the dataset folder.
+        **kwargs: :class:`PackedDataset`'s arguments (``transform``, ``resize``, ``center_crop``...) and the
+            format reader's own (``readahead``, ``locking``).
+
+    Returns:
+        An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
+        made by several ranks.
+    """
+    reader = open_reader(root, **{k: kwargs.pop(k) for k in list(kwargs) if k not in _DATASET_ARGS})
+    return _DATASETS.get(type(reader), PackedDataset)(reader, **kwargs)

@@ -1,0 +1,231 @@
+"""The read-time decode path every packed dataset shares: decoding, the read-time resize and crop, and the
+training augmentation (random resized crop and flip), from a :class:`~packer.formats.base.Sample` to an
+(H, W, C) array. No torch: ``packer verify --deep`` decodes through it too.
+
+:meth:`Decoding.decode_array` is the one entry point; :class:`packer.dataset.PackedDataset` builds on it (and adds
+tensors, batching and threads). Every format goes through it, so every format gives the same pixels for the same
+stored bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .augment import (
+    Window,
+    crop_resize,
+    image_size,
+    jpeg_size,
+    resized_window,
+    sample_window,
+    scaled_resize_crop,
+    scaled_window,
+    uniform_stream,
+    write_image,
+)
+from .errors import CorruptDataError, ImageError
+from .formats.base import Reader, Sample
+from .transforms import apply_geometry, as_hwc, as_pair, decode, open_image, parse_size, resize_crop, to_pil
+
+
+class Decoding:
+    """How samples of ``reader`` are decoded: the read-time geometry and augmentation (see
+    :class:`packer.dataset.PackedDataset` for the arguments).
+
+    Args:
+        reader: the dataset's storage reader.
+        resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip, seed: as
+            :class:`packer.dataset.PackedDataset` takes them.
+    """
+
+    def __init__(self, reader: Reader, resize: int | str | None = None, center_crop: int | str | None = None,
+                 interpolation: str = "bilinear", decoder: str = "auto",
+                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0):
+        self.reader = reader
+        self.spec = reader.spec
+        crop = parse_size(center_crop)
+        self.resize = parse_size(resize)
+        self.center_crop = as_pair(crop)
+        self.interpolation = interpolation
+        self.decoder = decoder
+        self.max_pixels = self.spec.max_pixels
+        if decoder not in ("auto", "fast", "pil"):
+            raise ValueError("decoder must be 'auto', 'fast' or 'pil'")
+        self.random_resized_crop = _height_width(random_resized_crop)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.flip = bool(flip)
+        self.seed = int(seed)
+        self.epoch = 0
+        if not (0 < self.scale[0] <= self.scale[1] and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError("scale and ratio are (min, max) ranges of positive numbers")
+        if self.random_resized_crop and (self.resize or self.center_crop):
+            raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
+        if (self.resize or self.center_crop or self.augments) and self.spec.normalize:
+            raise ValueError("read-time resize/crop/flip needs uint8 images; this dataset stores normalized floats")
+
+    @property
+    def augments(self) -> bool:
+        """Whether reading applies a random resized crop or flip."""
+        return bool(self.random_resized_crop or self.flip)
+
+    @property
+    def _is_raw(self) -> bool:
+        return self.reader.is_raw
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
+        from packer's samplers does, and wins)."""
+        self.epoch = int(epoch)
+
+    def augment_params(self, index: int, epoch: int | None = None) -> Window:
+        """The random resized crop window and flip of sample ``index`` in ``epoch`` (default: the index's
+        epoch, else :attr:`epoch`): ``(top, left, height, width, flipped)`` in the stored image's full-size
+        pixels. The whole image when there is no random resized crop.
+
+        Args:
+            index: the sample index.
+            epoch: the epoch; the same (seed, epoch, index) always gives the same window.
+
+        Returns:
+            a :class:`packer.augment.Window` named tuple.
+        """
+        if epoch is None:
+            epoch = getattr(index, "epoch", self.epoch)
+        index = self.reader.check_index(index)
+        self.reader.open()
+        return self._window(index, self.reader.read(index), epoch)
+
+    def output_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, C) of every decoded image when it is fixed, else None."""
+        if self.random_resized_crop:
+            return *self.random_resized_crop, self.spec.channels
+        if self.center_crop:
+            return self.center_crop[1], self.center_crop[0], self.spec.channels
+        if isinstance(self.resize, tuple):
+            return self.resize[1], self.resize[0], self.spec.channels
+        shape = self.reader.manifest.get("shape")
+        return tuple(shape) if shape and not self.resize else None
+
+    def _full_size(self, index: int, sample: Sample) -> tuple[int, int]:
+        """(height, width) of the stored image from its index entry, or from its header (never by decoding)."""
+        if sample.shape[0] and sample.shape[1]:
+            return sample.shape[0], sample.shape[1]
+        size = image_size(sample.payload)
+        if size is None:  # a damaged header: decoding reports it with the sample's name
+            size = self._plain_array(index, sample).shape[:2]
+        return size
+
+    def _window(self, index: int, sample: Sample, epoch: int) -> Window:
+        height, width = self._full_size(index, sample)
+        return sample_window(height, width, self.scale, self.ratio, uniform_stream(self.seed, epoch, index),
+                             crop=self.random_resized_crop is not None, flip=self.flip)
+
+    # -- the decode path -------------------------------------------------------------------------------------------
+    def decode_array(self, index: int, sample: Sample, out: np.ndarray | None = None, epoch: int = 0) -> np.ndarray:
+        """The sample as an (H, W, C) array with the read-time resize/crop or augmentation of ``epoch`` applied,
+        written into ``out`` when given (JPEGs decode straight into it). Without ``out`` it may be a read-only
+        view of the stored data."""
+        if not self.augments:
+            return self._plain_array(index, sample, out)
+        window = self._window(index, sample, epoch)
+        if self.random_resized_crop is None:  # flip only, after any resize/crop
+            image = self._plain_array(index, sample)
+        else:
+            image = self._resized_crop(index, sample, window)
+        if out is not None and image.shape[:2] != out.shape[:2]:
+            raise CorruptDataError(f"{self.reader.describe(index)}: image is {image.shape}, the dataset says "
+                                   f"{out.shape}; re-pack or pass resize/center_crop")
+        return write_image(image, window.flipped, out)
+
+    def _resized_crop(self, index: int, sample: Sample, window: Window) -> np.ndarray:
+        """The window resampled to the output size, unflipped: exactly torchvision's ``resized_crop`` on the
+        decoded image (decoder pil), or the fast path: JPEGs decoded at a reduced DCT scale, and torch's
+        resampler, within one level of Pillow's (auto/fast)."""
+        name = self.reader.describe(index)
+        size = self.random_resized_crop
+        full = self._full_size(index, sample)
+        fast = self.decoder != "pil"
+        if fast and not self._is_raw:
+            arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
+                data, self.spec.mode, full, window, size, self.interpolation))
+            if arr is not None:
+                return arr
+        if self._is_raw or fast:
+            arr = self.reader.stored_array(index, sample) if self._is_raw else decode(sample.payload, self.spec.mode,
+                                                                                     name, self.max_pixels)
+            decoded = arr.shape[:2]
+        else:
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            decoded = (img.height, img.width)
+        if decoded != full:
+            raise CorruptDataError(f"{name}: image is {decoded[1]}x{decoded[0]}, the dataset says "
+                                   f"{full[1]}x{full[0]}; re-pack")
+        if self._is_raw or fast:
+            return resized_window(arr, full, window, size, self.interpolation)
+        return as_hwc(crop_resize(img, window, size, self.interpolation))
+
+    def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
+        """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
+        None for anything else (it takes the full decode)."""
+        size = jpeg_size(sample.payload)
+        if size is None:
+            return None
+        height, width = size
+        if size != full:
+            raise CorruptDataError(f"{name}: image is {width}x{height}, the dataset says {full[1]}x{full[0]}; "
+                                   "re-pack")
+        if height * width > self.max_pixels:
+            raise ImageError(name, f"{width}x{height} is over the {self.max_pixels:,}-pixel limit; raise "
+                                   "--max-pixels")
+        try:
+            return fn(sample.payload)
+        except ValueError as exc:
+            raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
+
+    def _plain_array(self, index: int, sample: Sample, out: np.ndarray | None = None) -> np.ndarray:
+        """The sample with the read-time resize/crop applied (no augmentation); see :meth:`decode_array`."""
+        name = self.reader.describe(index)
+        geometry = self.resize or self.center_crop
+        if self._is_raw:
+            arr = self.reader.stored_array(index, sample)
+            if geometry:
+                arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+        elif self.decoder == "pil":
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            if geometry:
+                img = apply_geometry(img, self.resize, None, self.center_crop, self.interpolation)
+            arr = as_hwc(img)
+        elif geometry:
+            img = None
+            if self.decoder == "fast":
+                full = self._full_size(index, sample)
+                img = self._scaled_jpeg(sample, name, full, lambda data: scaled_resize_crop(
+                    data, self.spec.mode, full, self.resize, self.center_crop, self.interpolation))
+            if img is None:
+                img = resize_crop(to_pil(decode(sample.payload, self.spec.mode, name, self.max_pixels)),
+                                  self.resize, self.center_crop, self.interpolation)
+            arr = as_hwc(img)
+        else:
+            return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
+        if out is not None:
+            if arr.shape != out.shape:
+                raise CorruptDataError(f"{name}: image is {arr.shape}, the dataset says {out.shape}; re-pack "
+                                       "or pass resize/center_crop")
+            out[...] = arr
+            return out
+        return arr
+
+
+def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
+    if size is None:
+        return None
+    pair = tuple(as_pair(size))  # a longer tuple is refused below
+    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
+        raise ValueError(f"random_resized_crop must be a positive int or (height, width), not {size!r}")
+    return pair
