@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -35,7 +36,7 @@ def bench_run(tiny_folder, run_packer):
     out = tiny_folder.parent / "out"
     proc = run_packer("bench", tiny_folder, "--workers", "0", "--epochs", "1", "--cache", "warm,cold",
                       "--resize", "32", "--center-crop", "24", "--read-resize", "32", "--read-crop", "24",
-                      "--batch-size", "4", "--step-ms", "1", "--disk-test-mb", "8", "--out", out, "--quiet")
+                      "--batch-size", "4", "--repeats", "1", "--step-ms", "1", "--disk-test-mb", "8", "--out", out, "--quiet")
     assert proc.returncode == 0, proc.stderr
     return proc, out, json.loads((out / "results.json").read_text())
 
@@ -180,7 +181,7 @@ def test_train_pipeline_reads_with_random_resized_crop_and_flip(tiny_folder):
     """The train rows' datasets: the folder through Pillow (ImageFolder + torchvision's transforms), packed
     datasets with the default decoder; both crop to the output size."""
     target = bench.folder_target(tiny_folder, 32, 24)
-    train = bench.replace(target, pipeline="train").open()
+    train = dataclasses.replace(target, pipeline="train").open()
     assert (train.decoder, train.random_resized_crop, train.flip) == ("pil", (24, 24), True)
     assert train.output_shape() == (24, 24, 3) == target.open().output_shape()
     assert bench.train_size(None, (40, 30)) == (30, 40)  # a WxH output is a (height, width) crop

@@ -508,6 +508,23 @@ class PackedDataset(Dataset):
         result.images, result.labels = images, labels
         return result
 
+def decode_stored(dataset: PackedDataset, payload: bytes | np.ndarray, index: int = 0,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """One stored sample through ``dataset``'s read-time decode, as ``__getitems__`` does it, with no read.
+
+    Args:
+        dataset: the reader whose settings (store, decoder, resize, crop, augmentation) apply.
+        payload: the sample as :meth:`PackedDataset.raw_sample` returns it: encoded bytes, or the raw array.
+        index: the sample's index, for augmentation and error messages.
+        out: an (H, W, C) array to decode into, as a batch row is; None for a new array.
+
+    Returns:
+        The (H, W, C) image (``out`` when given).
+    """
+    shape = payload.shape if isinstance(payload, np.ndarray) else (0, 0, 0)
+    return dataset._array(index, Sample(payload, 0, shape, None), out, dataset.epoch)
+
+
 def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
     if size is None:
