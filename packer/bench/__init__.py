@@ -20,8 +20,9 @@ pages, and the row then says ``eviction_ok: false``.
 """
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
+from .chart import chart_workers
 from .limits import add_ceilings, decode_ceiling, disk_read_speed, measure_limits, memory_bandwidth
-from .machine import describe_machine, filesystem_type, machine_info
+from .machine import describe_load, describe_machine, filesystem_type, load_average, machine_info
 from .measure import WARMUP_BATCHES, EpochStats, add_speedups, build_loader, measure, output_signature, run_epochs
 from .pipelines import PIPELINES, open_train, parse_pipelines, train_size
 from .report import (
@@ -39,12 +40,12 @@ from .targets import Size, Target, Variant, folder_target, pack_target, packed_t
 from .tune import format_tune, tune, tune_workers
 
 __all__ = [
-    "DEFAULT_OUT", "EVICTED_BELOW", "PIPELINES", "WARMUP_BATCHES", "EpochStats", "Size", "Target", "Variant",
-    "add_ceilings", "add_speedups", "build_loader", "conversion_lines", "dataset_files", "decode_ceiling",
-    "default_workers", "describe_machine", "disk_read_speed", "evict", "filesystem_type", "folder_target",
-    "format_table", "format_tune", "limits_lines", "machine_info", "markdown_table", "measure", "measure_limits",
-    "memory_bandwidth", "open_train", "optional_size", "output_signature", "pack_target", "packed_target",
-    "parse_pipelines", "parse_variant", "plot", "prewarm", "read_geometry", "render_markdown", "render_text",
-    "resident_bytes", "resident_fraction", "run_bench", "run_epochs", "split_ints", "split_names", "train_size",
-    "tune", "tune_workers", "write_outputs",
+    "DEFAULT_OUT", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant", "WARMUP_BATCHES",
+    "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines", "dataset_files",
+    "decode_ceiling", "default_workers", "describe_load", "describe_machine", "disk_read_speed", "evict",
+    "filesystem_type", "folder_target", "format_table", "format_tune", "limits_lines", "load_average", "machine_info",
+    "markdown_table", "measure", "measure_limits", "memory_bandwidth", "open_train", "optional_size",
+    "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot", "prewarm",
+    "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
+    "run_epochs", "split_ints", "split_names", "train_size", "tune", "tune_workers", "write_outputs"
 ]

@@ -88,3 +88,29 @@ def describe_machine(m: dict[str, Any]) -> str:
             f"lmdb {v['lmdb']}, webdataset {v['webdataset']}, start method {m['start_method']}, work folder on "
             f"{m.get('work_filesystem', '?')}")
 
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the system does not keep them)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def machine_busy(start: list[float] | None, end: list[float] | None, cores: int) -> bool:
+    """Whether other work competed with a benchmark: a 1-minute load average above the usable cores before it
+    started, or above twice them at its end (that one counts the benchmark's own loaders, which keep up to
+    every usable core busy)."""
+    return bool((start and start[0] > cores) or (end and end[0] > 2 * cores))
+
+
+def load_text(values: list[float] | None) -> str:
+    """``load_average()`` as ``"0.52, 0.61, 0.70"``."""
+    return ", ".join(f"{v:.2f}" for v in values) if values else "unknown"
+
+
+def describe_load(load: dict[str, Any]) -> str:
+    """One line: the load averages at the start and end of a run, beside the usable cores."""
+    return (f"load average (1, 5, 15 min): {load_text(load['start'])} at the start, {load_text(load['end'])} at "
+            f"the end (which counts the benchmark's own loaders), on {load['usable_cores']} usable cores")

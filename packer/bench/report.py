@@ -9,11 +9,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..errors import warn
-from .machine import describe_machine
+from .chart import plot
+from .machine import describe_load, describe_machine
 from .measure import WARMUP_BATCHES
+
+MIN_BATCHES = 20  # batches per epoch under which rates are too short to time
+SAMPLE_DATA = "python scripts/make_sample_data.py bench-data --per-class 600"  # 5 classes: 3,000 images
 
 COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("pipeline", "pipeline", "{}"),
            ("workers", "workers", "{}"),
@@ -87,55 +88,17 @@ def conversion_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    parts = ["# packer bench results", "", f"Command: `{results['command']}`", "",
-             f"Machine: {describe_machine(results['machine'])}", "", markdown_table(results["rows"]), "",
+    parts = ["# packer bench results", ""] + [f"**Warning:** {line}\n" for line in results.get("warnings", [])]
+    parts += [f"Command: `{results['command']}`", "", f"Machine: {describe_machine(results['machine'])}", ""]
+    if results.get("load_average"):
+        parts += [f"The {describe_load(results['load_average'])}.", ""]
+    parts += [markdown_table(results["rows"]), "",
              "## Limits measured in the same run", ""]
     parts += [f"- {line}" for line in limits_lines(results)]
     if results.get("conversions"):
         parts += ["", "## Conversion", ""] + [f"- {line}" for line in conversion_lines(results)]
     parts += ["", "## Notes", ""] + [f"- {note}" for note in results.get("notes", [])]
     return "\n".join(parts) + "\n"
-
-
-def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
-    """A bar chart of samples/s per dataset and store (most workers; last epoch warm, epoch 1 cold, as epoch 2 of
-    a cold run is mostly warm), one panel per cache, with the folder baseline as a dashed line and each bar's
-    ceiling as a black tick. False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        warn("matplotlib is not installed, so no chart was drawn; pip install 'packer[bench]'")
-        return False
-    rows = results["rows"]
-    workers = max(r["workers"] for r in rows)
-    caches = list(dict.fromkeys(r["cache"] for r in rows))
-    bars = len({(r["dataset"], r["store"]) for r in rows}) - 1
-    fig, axes = plt.subplots(len(caches), 1, figsize=(max(7.0, 0.9 * bars + 2), 4.2 * len(caches)), squeeze=False)
-    for ax, cache in zip(axes[:, 0], caches, strict=True):
-        epoch = 1 if cache == "cold" else max(r["epoch"] for r in rows)
-        chosen = [r for r in rows if r["cache"] == cache and r["workers"] == workers and r["epoch"] == epoch]
-        packed = [r for r in chosen if r["dataset"] != "folder"]
-        x = np.arange(len(packed))
-        ax.bar(x, [r["samples_per_s"] for r in packed], color="tab:blue")
-        for i, r in enumerate(packed):
-            if r.get("ceiling_samples_per_s"):
-                ax.plot([i - 0.4, i + 0.4], [r["ceiling_samples_per_s"]] * 2, color="black", lw=2)
-        for r in chosen:
-            if r["dataset"] == "folder":
-                ax.axhline(r["samples_per_s"], color="tab:red", ls="--",
-                           label=f"folder {r['pipeline']} {r['samples_per_s']:.0f}/s")
-        ax.set_xticks(x, [f"{r['dataset']}\n{r['store']}\n{r['pipeline']}" for r in packed], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_title(f"{cache} cache, {workers} workers, epoch {epoch}")
-        ax.set_ylabel("samples/s (black tick: ceiling)")
-        ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def write_outputs(results: dict[str, Any], out: str | os.PathLike) -> dict[str, str]:
@@ -156,11 +119,14 @@ def render_text(results: dict[str, Any]) -> str:
     parts = [f"machine: {describe_machine(results['machine'])}", "", format_table(results["rows"]), ""]
     parts += limits_lines(results)
     parts += conversion_lines(results)
+    if results.get("load_average"):
+        parts.append(describe_load(results["load_average"]))
     parts += results.get("notes", [])
+    parts += [f"WARNING: {line}" for line in results.get("warnings", [])]
     return "\n".join(parts) + "\n"
 
 
-def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any], count: int) -> list[str]:
+def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any]) -> list[str]:
     notes = [f"epoch 1 rates leave out its first {WARMUP_BATCHES} batches (worker start-up); first_batch_s is "
              "the time from iter(loader) to the first batch",
              "workers 0 is make_loader's in-process loader: `threads` decode threads in the main process and a "
@@ -168,11 +134,11 @@ def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any], c
              "ceilings use every usable core"]
     if "cold" in settings["caches"] and settings["epochs"] > 1:
         notes.append("cold epoch 2 reads what epoch 1 left in the page cache: it shows re-reading, not a cold disk")
-    batches = math.ceil(count / settings["batch_size"])
-    if batches < 20:
-        notes.append(f"only {batches} batches per epoch: rates this short are noisy, and epoch 1 overstates "
-                     "parallel loaders (their first batches are decoded side by side before the clock starts); use "
-                     "a larger SRC (scripts/make_sample_data.py) or --repeats for figures to rely on")
+    if settings["repeats"] > 1:
+        notes.append(f"each figure is the median of {settings['repeats']} runs, each with a fresh loader "
+                     "(samples_per_s_runs in results.json holds every run's rate)")
+    else:
+        notes.append("each figure is one run (--repeats 1), not a median: use --repeats 3 for figures to publish")
     if any(r["eviction_ok"] is False for r in rows):
         notes.append(f"eviction did NOT take on some cold runs (the work folder is on "
                      f"{machine.get('work_filesystem')}; tmpfs and some overlays keep pages): those rows are warm")
@@ -180,3 +146,24 @@ def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any], c
         notes.append(f"each batch is consumed by a simulated {settings['step_ms']} ms training step; data_stall is "
                      "the fraction of time the step waited for data")
     return notes
+
+
+def batches_per_epoch(settings: dict[str, Any], count: int) -> int:
+    return math.ceil(count / settings["batch_size"])
+
+
+def warnings(batches: int, load: dict[str, Any]) -> list[str]:
+    """Why the figures of a run should not be relied on, if they should not: too few batches per epoch, or a
+    busy machine."""
+    found = []
+    if batches < MIN_BATCHES:
+        found.append(f"only {batches} batches per epoch (fewer than {MIN_BATCHES}): these figures are not "
+                     "meaningful; rates this short are noise, and epoch 1 overstates parallel loaders (their first "
+                     "batches are decoded side by side before the clock starts). Benchmark a larger folder, e.g. "
+                     f"`{SAMPLE_DATA}` (3,000 images; needs scikit-image)")
+    if load["busy"]:
+        found.append(f"the machine was busy (1-minute load average {load['start'][0] if load['start'] else '?'} "
+                     f"at the start, {load['end'][0] if load['end'] else '?'} at the end, on "
+                     f"{load['usable_cores']} usable cores): figures taken on a busy machine are not publishable; "
+                     "rerun on an idle one")
+    return found

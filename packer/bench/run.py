@@ -7,7 +7,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,10 +19,10 @@ from ..errors import PackerError
 from ..system import usable_cores
 from ..transforms import parse_size
 from .limits import add_ceilings, measure_limits
-from .machine import machine_info
+from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
-from .report import notes, write_outputs
+from .report import batches_per_epoch, notes, warnings, write_outputs
 from .targets import Size, Variant, existing_conversion, folder_target, pack_target, packed_target, parse_variant
 
 DEFAULT_OUT = "bench-out"
@@ -65,13 +65,15 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
               center_crop: Size = 224, batch_size: int = 64, workers: Sequence[int] | None = None, epochs: int = 2,
               caches: Sequence[str] = ("warm", "cold"), step_ms: float = 0.0,
               out: str | os.PathLike | None = DEFAULT_OUT, keep: bool = False,
-              packed: Sequence[str | os.PathLike] = (), repeats: int = 1, read_resize: Size = 256,
+              packed: Sequence[str | os.PathLike] = (), repeats: int = 3, read_resize: Size = 256,
               read_crop: Size = 224, work: str | os.PathLike | None = None, limits: bool = True,
               disk_test_mb: int = 384, prefetch_factor: int = 4, progress: bool = True,
-              command: str | None = None, pipelines: Sequence[str] = PIPELINES) -> dict[str, Any]:
+              command: str | None = None, pipelines: Sequence[str] = PIPELINES,
+              log: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Pack ``src`` into every format x store (or use ``packed``), read each and the folder through
     :func:`packer.make_loader`, and return (and write to ``out``, when given) every figure. See the module
-    docstring for what is measured; ``stores`` entries are parsed by :func:`parse_variant`."""
+    docstring for what is measured; ``stores`` entries are parsed by :func:`parse_variant`. Each row is the
+    median of ``repeats`` runs. ``log``, when given, is handed the load average as the run starts."""
     src = Path(src)
     read_resize, read_crop = parse_size(read_resize), parse_size(read_crop)
     if not read_crop and not isinstance(read_resize, tuple):
@@ -92,8 +94,16 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
     work_parent = Path(work) if work else Path(out) if out else Path(tempfile.gettempdir())
     work_parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="packer-bench-", dir=work_parent))
+    load = {"start": load_average(), "end": None, "usable_cores": usable_cores()}
+    if log is not None:
+        log(f"load average at the start (1, 5, 15 min): {load_text(load['start'])}, on {load['usable_cores']} "
+            "usable cores")
     try:
         results = _bench(src, work_dir, variants, settings, packed, limits, progress)
+        load["end"] = load_average()
+        load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
+        results["load_average"] = load
+        results["warnings"] = warnings(results["batches_per_epoch"], load)
         results["command"] = command or f"run_bench({str(src)!r}, ...)"
         results["work"] = str(work_dir) if keep else None
         if out is not None:
@@ -140,4 +150,5 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
             "machine": machine, "settings": settings, "source": {"root": str(src.resolve()), "images": folder.count,
                                                                  "bytes": folder.bytes_on_disk},
             "output": {"shape": list(expected[:3]), "dtype": expected[3]}, "limits": limit_info,
-            "conversions": conversions, "rows": rows, "notes": notes(settings, rows, machine, folder.count)}
+            "conversions": conversions, "rows": rows, "notes": notes(settings, rows, machine),
+            "batches_per_epoch": batches_per_epoch(settings, folder.count)}
