@@ -6,8 +6,8 @@ ImageFolder baseline) through :func:`packer.make_loader`, every one giving the s
 (dataset, store, workers, epoch, cache) it records samples/s, MB/s read and decoded, time to the first batch, the
 speedup over the folder with the same settings and the fraction of a ceiling measured in the same run:
 
-- decode ceiling: the stored payloads decoded (and resized/cropped as the loader does) by a process pool of
-  ``usable_cores()`` processes, with no loader, for encoded modes;
+- decode ceiling: the stored payloads decoded (and resized/cropped) by the readers' own read-time decode in a
+  process pool of ``usable_cores()`` processes, with no loader, for encoded modes;
 - memory-copy ceiling: ``np.copyto`` bandwidth / bytes per sample, for raw arrays that need no transform;
 - disk ceiling (cold cache only): sequential read speed of the work folder's disk / bytes read per sample.
 
@@ -15,8 +15,17 @@ A cold run first evicts every file of the dataset from the page cache (``fsync``
 nothing mapped) and checks with ``mincore`` that the eviction took; tmpfs and some overlay filesystems keep the
 pages, and the row then says ``eviction_ok: false``.
 
+Each row is the median of ``repeats`` runs (3 by default), each with a fresh loader. The load average is taken
+at the start and the end of the run; a busy machine, or fewer than 20 batches an epoch, is warned about in the
+text, the JSON and on the chart.
+
 :func:`tune` sweeps workers, batch size and prefetch factor on one packed dataset and writes the fastest to
 ``DEST/loader.json``, which :func:`packer.make_loader` then uses.
+
+Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cache`` (warm, evict, resident),
+``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
+and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
+``chart`` (bench.png), ``tune`` (``DEST/loader.json``) and ``run`` (:func:`run_bench`).
 """
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction

@@ -41,7 +41,19 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
     The one place the benchmark makes a loader. With today's ``make_loader`` it hides the notice about
     ``loader.json`` (which would mislead: nothing tuned applies), reads the threads back from the dataset and
     sets ``prefetch_batches`` afterwards; a ``make_loader(..., tuned=False, prefetch_batches=...)`` whose loader
-    has ``.threads`` makes that one call."""
+    has ``.threads`` makes that one call.
+
+    Args:
+        ds: the dataset to read.
+        batch_size: samples per batch.
+        workers: DataLoader worker processes; 0 for the in-process loader.
+        prefetch_factor: batches prefetched per worker, or by the in-process loader's background thread.
+        seed: the sampler's seed (the shuffle order).
+        **overrides: further ``make_loader`` settings, such as ``sampler``.
+
+    Returns:
+        The loader, and the decode threads each of its processes uses.
+    """
     from ..loader import make_loader
 
     kwargs: dict[str, Any] = {"num_workers": workers, **overrides}

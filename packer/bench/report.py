@@ -149,6 +149,7 @@ def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any]) -
 
 
 def batches_per_epoch(settings: dict[str, Any], count: int) -> int:
+    """Batches in one epoch of ``count`` samples at the run's batch size (the last one may be short)."""
     return math.ceil(count / settings["batch_size"])
 
 

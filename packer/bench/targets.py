@@ -90,7 +90,7 @@ class Target:
     pack_crop: Size = None
     conversion: dict[str, Any] | None = None
     files: list[Path] = field(default_factory=list)
-    pipeline: str = "val"  # or "train": read_crop is then the random resized crop's size (bench_train)
+    pipeline: str = "val"  # or "train": read_crop is then the random resized crop's size (pipelines)
 
     @property
     def bytes_per_sample(self) -> float:
