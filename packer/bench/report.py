@@ -153,7 +153,7 @@ def batches_per_epoch(settings: dict[str, Any], count: int) -> int:
     return math.ceil(count / settings["batch_size"])
 
 
-def warnings(batches: int, load: dict[str, Any]) -> list[str]:
+def figure_warnings(batches: int, load: dict[str, Any]) -> list[str]:
     """Why the figures of a run should not be relied on, if they should not: too few batches per epoch, or a
     busy machine."""
     found = []

@@ -22,7 +22,7 @@ from .limits import add_ceilings, measure_limits
 from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
-from .report import batches_per_epoch, notes, warnings, write_outputs
+from .report import batches_per_epoch, figure_warnings, notes, write_outputs
 from .targets import Size, Variant, existing_conversion, folder_target, pack_target, packed_target, parse_variant
 
 DEFAULT_OUT = "bench-out"
@@ -103,7 +103,7 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
         load["end"] = load_average()
         load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
         results["load_average"] = load
-        results["warnings"] = warnings(results["batches_per_epoch"], load)
+        results["warnings"] = figure_warnings(results["batches_per_epoch"], load)
         results["command"] = command or f"run_bench({str(src)!r}, ...)"
         results["work"] = str(work_dir) if keep else None
         if out is not None:
