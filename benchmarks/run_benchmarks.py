@@ -126,7 +126,7 @@ def conversion_table(results: dict) -> list[str]:
 
 
 def readme_section(results: dict) -> str:
-    from packer.bench import describe_machine, limits_lines
+    from packer.bench import describe_load, describe_machine, limits_lines
 
     s = results["settings"]
     src = results["source"]
@@ -142,6 +142,10 @@ def readme_section(results: dict) -> str:
              "of the row's ceiling: the decode ceiling is the same stored bytes decoded by a process pool on every "
              "core with no loader; raw's is memory-copy bandwidth; cold rows are also bounded by the disk's "
              "sequential read speed).", ""]
+    runs = f"Each figure is the median of {s['repeats']} runs" if s["repeats"] > 1 else "Each figure is one run"
+    load = results.get("load_average")
+    lines += [f"{runs}; {describe_load(load)}." if load else f"{runs}.", ""]
+    lines += [f"**Warning:** {warning}\n" for warning in results.get("warnings", [])]
     for workers in s["workers"]:
         how = f"workers {workers}: " + ("decode threads in the main process" if workers == 0 else
                                          f"{workers} worker processes")
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="DataLoader workers, comma-separated; 0 = make_loader's decode threads (default 0,2)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="runs per figure, median (default 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure, median (default 3)")
     ap.add_argument("--cache", default="warm,cold")
     ap.add_argument("--disk-test-mb", type=int, default=512, help="file read to measure the disk (default 512)")
     ap.add_argument("--keep", action="store_true", help="keep the packed datasets")

@@ -218,7 +218,8 @@ def verify(dest, deep) -> None:
               help="warm: files read once first; cold: evicted from the page cache before each run.")
 @click.option("--step-ms", type=click.FloatRange(0), default=0, show_default=True,
               help="Simulated training step per batch; reports the fraction of time it waited for data.")
-@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True, help="Runs per figure (median).")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs per figure, each with a fresh loader; the table reports their median (1: fastest).")
 @click.option("--prefetch-factor", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--packed", multiple=True, type=click.Path(path_type=str),
               help="Benchmark this packed dataset instead of packing SRC (repeat the option for several).")
@@ -269,7 +270,7 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
                           read_resize=b.optional_size(read_resize), read_crop=b.optional_size(read_crop),
                           work=work, limits=not no_limits, disk_test_mb=disk_test_mb,
                           prefetch_factor=prefetch_factor, progress=not quiet,
-                          pipelines=b.split_names(pipelines),
+                          pipelines=b.split_names(pipelines), log=click.echo,
                           command=" ".join(["packer", *map(shlex.quote, sys.argv[1:])]))
     click.echo(b.render_text(results), nl=False)
     click.echo(f"wrote {', '.join(results['outputs'].values())}")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
 import math
+import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_image
 
 import packer
 from packer import bench
+from packer.formats.base import decode_stored
 
 FORMATS = ("lmdb", "hdf5", "wds")
 STORES = ("original", "jpeg 32/24", "raw 32/24")
@@ -35,7 +39,8 @@ def bench_run(tiny_folder, run_packer):
     out = tiny_folder.parent / "out"
     proc = run_packer("bench", tiny_folder, "--workers", "0", "--epochs", "1", "--cache", "warm,cold",
                       "--resize", "32", "--center-crop", "24", "--read-resize", "32", "--read-crop", "24",
-                      "--batch-size", "4", "--step-ms", "1", "--disk-test-mb", "8", "--out", out, "--quiet")
+                      "--batch-size", "4", "--repeats", "1", "--step-ms", "1", "--disk-test-mb", "8", "--out", out,
+                      "--quiet")
     assert proc.returncode == 0, proc.stderr
     return proc, out, json.loads((out / "results.json").read_text())
 
@@ -180,7 +185,7 @@ def test_train_pipeline_reads_with_random_resized_crop_and_flip(tiny_folder):
     """The train rows' datasets: the folder through Pillow (ImageFolder + torchvision's transforms), packed
     datasets with the default decoder; both crop to the output size."""
     target = bench.folder_target(tiny_folder, 32, 24)
-    train = bench.replace(target, pipeline="train").open()
+    train = dataclasses.replace(target, pipeline="train").open()
     assert (train.decoder, train.random_resized_crop, train.flip) == ("pil", (24, 24), True)
     assert train.output_shape() == (24, 24, 3) == target.open().output_shape()
     assert bench.train_size(None, (40, 30)) == (30, 40)  # a WxH output is a (height, width) crop
@@ -225,3 +230,61 @@ def test_rates_exclude_the_warm_up_batches():
     short = bench.run_epochs(Loader([4, 4, 1]), epochs=1)[0]
     assert (short.skipped_batches, short.samples) == (1, 5), "at most half of a short epoch is skipped"
     assert math.isfinite(first.seconds) and first.seconds >= first.wait
+
+
+def test_short_epochs_say_the_figures_are_not_meaningful(bench_run):
+    """24 images in batches of 4: 6 batches an epoch."""
+    proc, out, results = bench_run
+    assert results["batches_per_epoch"] == 6
+    [warning] = [w for w in results["warnings"] if "not meaningful" in w]
+    assert warning.startswith("only 6 batches per epoch (fewer than 20)")
+    assert "scripts/make_sample_data.py" in warning
+    assert f"WARNING: {warning}" in proc.stdout.splitlines()
+    assert f"WARNING: {warning}" in (out / "results.txt").read_text().splitlines()
+    assert f"**Warning:** {warning}" in (out / "results.md").read_text()
+
+
+def test_load_average_is_printed_at_the_start_and_recorded_at_both_ends(bench_run):
+    proc, out, results = bench_run
+    load = results["load_average"]
+    cores = results["machine"]["usable_cores"]
+    assert len(load["start"]) == len(load["end"]) == 3 and load["usable_cores"] == cores
+    start, end = (", ".join(f"{v:.2f}" for v in load[k]) for k in ("start", "end"))
+    assert proc.stdout.splitlines()[0] == f"load average at the start (1, 5, 15 min): {start}, on {cores} usable cores"
+    assert load["busy"] == (load["start"][0] > cores or load["end"][0] > 2 * cores)
+    assert ("figures taken on a busy machine are not publishable" in proc.stdout) == load["busy"]
+    assert f"load average (1, 5, 15 min): {start} at the start, {end} at the end" in (out / "results.txt").read_text()
+
+
+def test_repeats_report_the_median_of_their_runs(tiny_folder, tmp_path):
+    """Three runs per row with a fresh loader each; 24 batches of 1 an epoch, so no short-epoch warning."""
+    bench.run_bench(tiny_folder, formats=["lmdb"], stores=["raw:32/24"], workers=[0], epochs=1, caches=["warm"],
+                    batch_size=1, repeats=3, read_resize=32, read_crop=24, pipelines=["val"], limits=False,
+                    out=tmp_path, progress=False)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["repeats"] == 3 and results["batches_per_epoch"] == 24
+    assert [(r["dataset"], r["repeats"]) for r in results["rows"]] == [("folder", 3), ("lmdb", 3)]
+    for r in results["rows"]:
+        assert len(r["samples_per_s_runs"]) == 3
+        assert r["samples_per_s"] == statistics.median(r["samples_per_s_runs"])
+        assert r["mb_per_s_read"] == pytest.approx(r["samples_per_s"] * r["bytes_per_sample_read"] / 1e6)
+    assert not any("not meaningful" in w for w in results["warnings"])
+    assert "each figure is the median of 3 runs" in (tmp_path / "results.txt").read_text()
+
+
+def test_chart_shows_the_default_loader_beside_the_most_worker_processes():
+    rows = [{"workers": w} for w in (0, 1, 2)]
+    assert bench.chart_workers(rows) == [0, 2]
+    assert bench.chart_workers(rows[:1]) == [0]
+    assert bench.chart_workers(rows[1:]) == [2]
+
+
+def test_decode_ceiling_decodes_as_the_reader_does(tiny_folder, tmp_path):
+    """The ceiling's decode is the reader's own: the same pixels as reading the sample."""
+    dest = tmp_path / "ds"
+    packer.pack(tiny_folder, dest, "wds", store="jpeg", resize=32, progress=False)
+    ds = packer.open_dataset(dest, center_crop=24)
+    for i in (0, 5, 23):
+        payload, _ = ds.raw_sample(i)
+        out = decode_stored(ds, payload, i, out=np.empty((24, 24, 3), np.uint8))
+        assert np.array_equal(out, ds[i][0].permute(1, 2, 0).numpy())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import UsageError
+
 PIPELINES = ("val", "train")
 
 
@@ -18,7 +20,7 @@ def parse_pipelines(names: list[str]) -> list[str]:
     """Check ``--pipeline`` names: val, train or both."""
     bad = [n for n in names if n not in PIPELINES]
     if bad or not names:
-        raise ValueError(f"unknown pipeline {', '.join(bad) or '(none)'}; choose val, train or val,train")
+        raise UsageError(f"unknown pipeline {', '.join(bad) or '(none)'}; choose val, train or val,train")
     return list(dict.fromkeys(names))
 
 
@@ -32,9 +34,9 @@ def open_train(dataset: str, root: Any, size: tuple[int, int]) -> Any:
     """The dataset read through the train pipeline: the folder with Pillow (the baseline), a packed one with the
     default decoder."""
     if dataset == "folder":
-        from .folder import FolderDataset
+        from ..folder import FolderDataset
 
         return FolderDataset(root, decoder="pil", random_resized_crop=size, flip=True)
-    from .dataset import open_dataset
+    from ..dataset import open_dataset
 
     return open_dataset(root, random_resized_crop=size, flip=True)

@@ -1,0 +1,60 @@
+"""``packer bench``: measure how fast packed datasets load against the raw image folder, and what bounds them.
+
+:func:`run_bench` packs SRC into each asked format and storage mode (or reuses packed datasets), then reads each
+one and the folder itself (``FolderDataset(decoder="pil")``: Pillow + Resize + CenterCrop, the torchvision
+ImageFolder baseline) through :func:`packer.make_loader`, every one giving the same uint8 NCHW batches. For each
+(dataset, store, workers, epoch, cache) it records samples/s, MB/s read and decoded, time to the first batch, the
+speedup over the folder with the same settings and the fraction of a ceiling measured in the same run:
+
+- decode ceiling: the stored payloads decoded (and resized/cropped) by the readers' own read-time decode in a
+  process pool of ``usable_cores()`` processes, with no loader, for encoded modes;
+- memory-copy ceiling: ``np.copyto`` bandwidth / bytes per sample, for raw arrays that need no transform;
+- disk ceiling (cold cache only): sequential read speed of the work folder's disk / bytes read per sample.
+
+A cold run first evicts every file of the dataset from the page cache (``fsync`` + ``POSIX_FADV_DONTNEED``, with
+nothing mapped) and checks with ``mincore`` that the eviction took; tmpfs and some overlay filesystems keep the
+pages, and the row then says ``eviction_ok: false``.
+
+Each row is the median of ``repeats`` runs (3 by default), each with a fresh loader. The load average is taken
+at the start and the end of the run; a busy machine, or fewer than 20 batches an epoch, is warned about in the
+text, the JSON and on the chart.
+
+:func:`tune` sweeps workers, batch size and prefetch factor on one packed dataset and writes the fastest to
+``DEST/loader.json``, which :func:`packer.make_loader` then uses.
+
+Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cache`` (warm, evict, resident),
+``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
+and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
+``chart`` (bench.png), ``tune`` (``DEST/loader.json``) and ``run`` (:func:`run_bench`).
+"""
+
+from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
+from .chart import chart_workers
+from .limits import add_ceilings, decode_ceiling, disk_read_speed, measure_limits, memory_bandwidth
+from .machine import describe_load, describe_machine, filesystem_type, load_average, machine_info
+from .measure import WARMUP_BATCHES, EpochStats, add_speedups, build_loader, measure, output_signature, run_epochs
+from .pipelines import PIPELINES, open_train, parse_pipelines, train_size
+from .report import (
+                     conversion_lines,
+                     format_table,
+                     limits_lines,
+                     markdown_table,
+                     plot,
+                     render_markdown,
+                     render_text,
+                     write_outputs,
+)
+from .run import DEFAULT_OUT, default_workers, optional_size, run_bench, split_ints, split_names
+from .targets import Size, Target, Variant, folder_target, pack_target, packed_target, parse_variant, read_geometry
+from .tune import format_tune, tune, tune_workers
+
+__all__ = [
+    "DEFAULT_OUT", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant", "WARMUP_BATCHES",
+    "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines", "dataset_files",
+    "decode_ceiling", "default_workers", "describe_load", "describe_machine", "disk_read_speed", "evict",
+    "filesystem_type", "folder_target", "format_table", "format_tune", "limits_lines", "load_average", "machine_info",
+    "markdown_table", "measure", "measure_limits", "memory_bandwidth", "open_train", "optional_size",
+    "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot", "prewarm",
+    "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
+    "run_epochs", "split_ints", "split_names", "train_size", "tune", "tune_workers", "write_outputs"
+]

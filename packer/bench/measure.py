@@ -1,0 +1,193 @@
+"""Reading a target through the loader: one run of a fresh loader over its epochs, and the rows made from runs."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import PackerError
+from .cache import EVICTED_BELOW, evict, prewarm, release_handles, resident_fraction
+from .targets import Target
+
+WARMUP_BATCHES = 2  # batches of epoch 1 left out of its rate: worker start-up and first-touch costs
+
+
+@dataclass
+class EpochStats:
+    samples: int = 0  # samples in the measured window
+    seconds: float = 0.0  # the measured window: waiting for batches plus the simulated steps
+    wait: float = 0.0  # time the main loop waited for batches in the window
+    decoded_bytes: int = 0
+    first_batch_s: float = 0.0
+    batches: int = 0
+    skipped_batches: int = 0
+
+
+def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | None = None,
+                 seed: int = 0, **overrides: Any) -> tuple[Any, int]:
+    """The loader every benchmark run reads through, and its decode threads per process: ``make_loader`` with
+    every setting given, so that a ``loader.json`` beside the dataset does not apply. ``workers`` processes of
+    one decode thread each, or with 0 packer's in-process loader (decode threads in the main process and a
+    background thread ``prefetch_factor`` batches ahead).
+
+    The one place the benchmark makes a loader (``tuned=False``: nothing tuned applies).
+
+    Args:
+        ds: the dataset to read.
+        batch_size: samples per batch.
+        workers: DataLoader worker processes; 0 for the in-process loader.
+        prefetch_factor: batches prefetched per worker, or by the in-process loader's background thread.
+        seed: the sampler's seed (the shuffle order).
+        **overrides: further ``make_loader`` settings, such as ``sampler``.
+
+    Returns:
+        The loader, and the decode threads each of its processes uses.
+    """
+    from ..loader import make_loader
+
+    kwargs: dict[str, Any] = {"num_workers": workers, **overrides}
+    if workers > 0 and prefetch_factor:
+        kwargs["prefetch_factor"] = prefetch_factor
+    loader = make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, tuned=False,
+                         prefetch_batches=prefetch_factor if workers == 0 and prefetch_factor else None, **kwargs)
+    return loader, loader.threads
+
+
+def check_signature(signature: tuple, expected: tuple | None, where: str) -> tuple:
+    """Every dataset must give what the folder gives: (C, H, W, dtype)."""
+    if expected is not None and signature != expected:
+        raise PackerError(f"{where}: gives images of {signature}, the folder gives {expected}; pass --read-resize "
+                          "and --read-crop that make every dataset's output the same shape")
+    return signature
+
+
+def _signature(images: Any) -> tuple:
+    return (*(int(x) for x in images.shape[1:]), str(images.dtype).replace("torch.", ""))
+
+
+def run_epochs(loader: Any, epochs: int, step_s: float = 0.0, skip: int = WARMUP_BATCHES,
+               expected: tuple | None = None, where: str = "", bar: tqdm | None = None) -> list[EpochStats]:
+    """Iterate ``epochs`` epochs of ``loader``, sleeping ``step_s`` per batch as a training step would.
+
+    Epoch 1 leaves its first ``skip`` batches out of the rate, at most half of them so that short epochs still
+    measure something; every epoch records the time from ``iter(loader)`` to its first batch."""
+    results = []
+    for epoch in range(epochs):
+        stats = EpochStats()
+        drop = min(skip, len(loader) // 2) if epoch == 0 else 0
+        stats.skipped_batches = drop
+        t = time.perf_counter()
+        it = iter(loader)
+        for i in itertools.count():
+            if i > 0:
+                t = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            got = time.perf_counter()
+            images = batch[0]
+            if i == 0:
+                stats.first_batch_s = got - t
+                expected = check_signature(_signature(images), expected, where)
+            if step_s:
+                time.sleep(step_s)
+            stats.batches += 1
+            if i >= drop:
+                stats.samples += len(images)
+                stats.decoded_bytes += images.numel() * images.element_size()
+                stats.wait += got - t
+                stats.seconds += time.perf_counter() - t
+            if bar is not None:
+                bar.update(len(images))
+        results.append(stats)
+    return results
+
+
+def _run_once(target: Target, workers: int, cache: str, settings: dict[str, Any], repeat: int,
+              expected: tuple | None, bar: tqdm | None) -> dict[str, Any]:
+    """One fresh loader (workers not shared with any other run) over ``epochs`` epochs, after warming or
+    evicting the page cache."""
+    ds = target.open()
+    if cache == "cold":
+        release_handles()
+        evict(target.files)
+    else:
+        prewarm(target.files)
+    resident = resident_fraction(target.files)
+    loader, threads = build_loader(ds, settings["batch_size"], workers, settings["prefetch_factor"], seed=repeat)
+    epochs = run_epochs(loader, settings["epochs"], settings["step_ms"] / 1000, expected=expected,
+                        where=f"{target.dataset} {target.store}", bar=bar)
+    # Every epoch ran to its end, so nothing reads any more: shut the workers down and unmap before the next
+    # eviction. (Not on an error: a loader's threads may still be reading then.)
+    del loader, ds
+    release_handles()
+    return {"resident_before": resident, "epochs": epochs, "threads": threads}
+
+
+def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict], settings: dict,
+         output_bytes: int) -> dict[str, Any]:
+    stats: list[EpochStats] = [r["epochs"][epoch] for r in runs]
+    rates = [s.samples / s.seconds if s.seconds else 0.0 for s in stats]
+    rate = statistics.median(rates)
+    resident = [r["resident_before"] for r in runs]
+    resident_known = None if any(x is None for x in resident) else statistics.median(resident)
+    row = {
+        "dataset": target.dataset, "store": target.store, "store_mode": target.store_mode,
+        "pipeline": target.pipeline,
+        "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
+        "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
+        "workers": workers, "threads": runs[0]["threads"], "batch_size": settings["batch_size"], "epoch": epoch + 1,
+        "cache": cache,
+        "samples": stats[0].samples, "skipped_batches": stats[0].skipped_batches,
+        "samples_per_s": rate, "samples_per_s_runs": rates,
+        "mb_per_s_read": rate * target.bytes_per_sample / 1e6,
+        "mb_per_s_decoded": rate * output_bytes / 1e6,
+        "first_batch_s": statistics.median(s.first_batch_s for s in stats),
+        "bytes_per_sample_read": target.bytes_per_sample, "bytes_per_sample_decoded": output_bytes,
+        "resident_before": resident_known,
+        "eviction_ok": (resident_known is not None and resident_known < EVICTED_BELOW) if cache == "cold" else None,
+        "data_stall": (statistics.median(s.wait / s.seconds for s in stats if s.seconds)
+                       if settings["step_ms"] else None),
+        "repeats": len(runs),
+    }
+    return row
+
+
+def measure(target: Target, settings: dict[str, Any], expected: tuple | None, bar: tqdm | None) -> list[dict]:
+    """Every (workers, cache, epoch) row of one target, each the median of ``repeats`` runs."""
+    rows = []
+    output_bytes = int(np.prod(expected[:3])) if expected else 0
+    for cache in settings["caches"]:
+        for workers in settings["workers"]:
+            runs = [_run_once(target, workers, cache, settings, r, expected, bar) for r in range(settings["repeats"])]
+            rows += [_row(target, workers, cache, e, runs, settings, output_bytes) for e in range(settings["epochs"])]
+    return rows
+
+
+def output_signature(target: Target) -> tuple:
+    """(C, H, W, dtype) of the batches ``target`` gives, from one batch read without a loader."""
+    ds = target.open()
+    batch = ds.__getitems__(list(range(min(len(ds), 2))))
+    images = getattr(batch, "images", None)
+    del ds, batch
+    release_handles()
+    if images is None:
+        raise PackerError(f"{target.root}: its images do not all have one size; pass --read-crop so the benchmark "
+                          "compares fixed-size batches")
+    return _signature(images)
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_folder: the row's rate over the folder's with the same workers, epoch and cache."""
+    folder = {(r["pipeline"], r["workers"], r["epoch"], r["cache"]): r["samples_per_s"] for r in rows
+              if r["dataset"] == "folder"}
+    for row in rows:
+        base = folder.get((row["pipeline"], row["workers"], row["epoch"], row["cache"]))
+        row["speedup_vs_folder"] = row["samples_per_s"] / base if base else None

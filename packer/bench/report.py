@@ -1,0 +1,170 @@
+"""What ``packer bench`` writes: the text and Markdown tables, the limits and conversion lines, the notes,
+results.json and the chart."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from .chart import plot
+from .machine import describe_load, describe_machine
+from .measure import WARMUP_BATCHES
+
+MIN_BATCHES = 20  # batches per epoch under which rates are too short to time
+SAMPLE_DATA = "python scripts/make_sample_data.py bench-data --per-class 600"  # 5 classes: 3,000 images
+
+COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("pipeline", "pipeline", "{}"),
+           ("workers", "workers", "{}"),
+           ("threads", "threads", "{}"),
+           ("cache", "cache", "{}"), ("epoch", "epoch", "{}"), ("samples_per_s", "samples/s", "{:.0f}"),
+           ("mb_per_s_read", "MB/s read", "{:.1f}"), ("mb_per_s_decoded", "MB/s out", "{:.1f}"),
+           ("first_batch_s", "1st batch s", "{:.2f}"), ("speedup_vs_folder", "vs folder", "{:.2f}x"),
+           ("ceiling_samples_per_s", "ceiling/s", "{:.0f}"), ("ceiling_kind", "bound", "{}"),
+           ("fraction_of_ceiling", "of ceiling", "{:.0%}"), ("data_stall", "stall", "{:.0%}"),
+           ("eviction_ok", "evicted", "{}")]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return fmt.format(value)
+
+
+def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """Drop columns with nothing in them (stall without --step-ms, evicted without cold runs)."""
+    return [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = _columns(rows)
+    cells = [[title for _, title, _ in cols]] + [[_cell(r, k, f) for k, _, f in cols] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+             for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = _columns(rows)
+    lines = ["| " + " | ".join(title for _, title, _ in cols) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
+    lines += ["| " + " | ".join(_cell(r, k, f) for k, _, f in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def limits_lines(results: dict[str, Any]) -> list[str]:
+    limits = results.get("limits") or {}
+    if not limits:
+        return ["limits not measured (--no-limits)"]
+    lines = [f"memory copy: {limits['memory_copy_gb_per_s']:.1f} GB/s (np.copyto, one core)"]
+    disk = limits.get("disk")
+    if disk:
+        evicted = "" if disk["eviction_ok"] else " (NOT evicted: the disk figure is the page cache's)"
+        lines.append(f"disk sequential read: {disk['mb_per_s']:.0f} MB/s over {disk['file_mb']:.0f} MB{evicted}")
+    for key, entry in limits.get("decode", {}).items():
+        if entry.get("samples_per_s"):
+            store, decoder, _, _ = key.split("|")
+            lines.append(f"{entry['kind']} ceiling, {store} ({decoder} decoder): {entry['samples_per_s']:.0f} "
+                         f"samples/s with {limits['processes']} processes")
+    return lines
+
+
+def conversion_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for c in results.get("conversions", []):
+        ratio = f", {c['size_vs_source']:.2f}x the source's {c['source_bytes'] / 1e6:.1f} MB" if c.get(
+            "size_vs_source") else ""
+        seconds = f"{c['seconds']:.1f} s, {c['images_per_s']:.0f} images/s, " if c.get("seconds") else ""
+        lines.append(f"{c['dataset']} {c['store']}: {c['images']} images, {seconds}"
+                     f"{c['bytes_on_disk'] / 1e6:.1f} MB on disk{ratio}")
+    return lines
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    parts = ["# packer bench results", ""] + [f"**Warning:** {line}\n" for line in results.get("warnings", [])]
+    parts += [f"Command: `{results['command']}`", "", f"Machine: {describe_machine(results['machine'])}", ""]
+    if results.get("load_average"):
+        parts += [f"The {describe_load(results['load_average'])}.", ""]
+    parts += [markdown_table(results["rows"]), "",
+             "## Limits measured in the same run", ""]
+    parts += [f"- {line}" for line in limits_lines(results)]
+    if results.get("conversions"):
+        parts += ["", "## Conversion", ""] + [f"- {line}" for line in conversion_lines(results)]
+    parts += ["", "## Notes", ""] + [f"- {note}" for note in results.get("notes", [])]
+    return "\n".join(parts) + "\n"
+
+
+def write_outputs(results: dict[str, Any], out: str | os.PathLike) -> dict[str, str]:
+    """results.json, results.md, results.txt (the table) and bench.png in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "txt": out / "results.txt",
+             "png": out / "bench.png"}
+    paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
+    paths["md"].write_text(render_markdown(results))
+    paths["txt"].write_text(render_text(results))
+    if not plot(results, paths["png"]):
+        del paths["png"]
+    return {k: str(v) for k, v in paths.items()}
+
+
+def render_text(results: dict[str, Any]) -> str:
+    parts = [f"machine: {describe_machine(results['machine'])}", "", format_table(results["rows"]), ""]
+    parts += limits_lines(results)
+    parts += conversion_lines(results)
+    if results.get("load_average"):
+        parts.append(describe_load(results["load_average"]))
+    parts += results.get("notes", [])
+    parts += [f"WARNING: {line}" for line in results.get("warnings", [])]
+    return "\n".join(parts) + "\n"
+
+
+def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any]) -> list[str]:
+    notes = [f"epoch 1 rates leave out its first {WARMUP_BATCHES} batches (worker start-up); first_batch_s is "
+             "the time from iter(loader) to the first batch",
+             "workers 0 is make_loader's in-process loader: `threads` decode threads in the main process and a "
+             "background thread prefetching; workers N are N DataLoader processes of one decode thread each",
+             "ceilings use every usable core"]
+    if "cold" in settings["caches"] and settings["epochs"] > 1:
+        notes.append("cold epoch 2 reads what epoch 1 left in the page cache: it shows re-reading, not a cold disk")
+    if settings["repeats"] > 1:
+        notes.append(f"each figure is the median of {settings['repeats']} runs, each with a fresh loader "
+                     "(samples_per_s_runs in results.json holds every run's rate)")
+    else:
+        notes.append("each figure is one run (--repeats 1), not a median: use --repeats 3 for figures to publish")
+    if any(r["eviction_ok"] is False for r in rows):
+        notes.append(f"eviction did NOT take on some cold runs (the work folder is on "
+                     f"{machine.get('work_filesystem')}; tmpfs and some overlays keep pages): those rows are warm")
+    if settings["step_ms"]:
+        notes.append(f"each batch is consumed by a simulated {settings['step_ms']} ms training step; data_stall is "
+                     "the fraction of time the step waited for data")
+    return notes
+
+
+def batches_per_epoch(settings: dict[str, Any], count: int) -> int:
+    """Batches in one epoch of ``count`` samples at the run's batch size (the last one may be short)."""
+    return math.ceil(count / settings["batch_size"])
+
+
+def figure_warnings(batches: int, load: dict[str, Any]) -> list[str]:
+    """Why the figures of a run should not be relied on, if they should not: too few batches per epoch, or a
+    busy machine."""
+    found = []
+    if batches < MIN_BATCHES:
+        found.append(f"only {batches} batches per epoch (fewer than {MIN_BATCHES}): these figures are not "
+                     "meaningful; rates this short are noise, and epoch 1 overstates parallel loaders (their first "
+                     "batches are decoded side by side before the clock starts). Benchmark a larger folder, e.g. "
+                     f"`{SAMPLE_DATA}` (3,000 images; needs scikit-image)")
+    if load["busy"]:
+        found.append(f"the machine was busy (1-minute load average {load['start'][0] if load['start'] else '?'} "
+                     f"at the start, {load['end'][0] if load['end'] else '?'} at the end, on "
+                     f"{load['usable_cores']} usable cores): figures taken on a busy machine are not publishable; "
+                     "rerun on an idle one")
+    return found
