@@ -119,12 +119,11 @@ def check_against_reference(ds, mode: str, exact: bool, where: str) -> None:
 @pytest.mark.parametrize("store", list(STORES))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_output_is_resized_crop_at_the_reported_window(pack, fmt, store, decoder):
-    """Exact for decoder="pil"; within 30 dB for the DCT-scaled fast path (exact for PNG and raw)."""
+    """Exact for decoder="pil"; within 30 dB for the fast path (DCT-scaled JPEG decodes, OpenCV's resampler)."""
     for mode in STORES[store][1]:
         ds = packer.open_dataset(pack(fmt, store, mode), random_resized_crop=SIZE, flip=True, seed=3,
                                  decoder=decoder, threads=2)
-        exact = decoder == "pil" or store in ("png", "raw")
-        check_against_reference(ds, mode, exact, f"{fmt}/{store}/{mode}/{decoder}")
+        check_against_reference(ds, mode, decoder == "pil", f"{fmt}/{store}/{mode}/{decoder}")
 
 
 @pytest.mark.parametrize("decoder", ["pil", "auto"])
