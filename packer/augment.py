@@ -7,9 +7,10 @@ numbers, then of a counter), plain integer arithmetic, so every process, thread 
 window for a sample, and a draw costs well under a microsecond.
 
 The output is torchvision's ``resized_crop(img, top, left, height, width, size, interpolation)`` then
-``hflip`` when flipped: :func:`crop_resize` does exactly what torchvision does to a PIL image. The JPEG fast
-path (:func:`scaled_jpeg_window`) decodes at the largest DCT scale (1/2, 1/4, 1/8) that keeps the scaled window
-at least as large as the output, then resamples only the window.
+``hflip`` when flipped: :func:`crop_resize` does exactly what torchvision does to a PIL image. The fast path
+(:func:`scaled_window` for JPEGs, :func:`resized_window` for raw arrays and full decodes) decodes a JPEG at the
+largest DCT scale (1/2, 1/4, 1/8) that keeps the scaled window at least ``MARGIN`` times the output, then
+resamples only the window with OpenCV (:mod:`packer.resample`), straight into the batch slot, flip included.
 """
 
 from __future__ import annotations
@@ -129,15 +130,22 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
     return (height, width) if colorspace in ("YCbCr", "Gray") else None
 
 
+def dct_factor(full: tuple[int, int], min_height: int, min_width: int) -> int:
+    """The largest of 8, 4, 2 and 1 that divides a ``full`` (height, width) image into one of at least
+    ``min_height`` x ``min_width`` (libjpeg-turbo rounds the scaled sides up)."""
+    factor = 8
+    while factor > 1 and (-(-full[0] // factor) < min_height or -(-full[1] // factor) < min_width):
+        factor //= 2
+    return factor
+
+
 def scaled_jpeg(payload: bytes | memoryview, mode: str, full: tuple[int, int], min_height: int,
                 min_width: int) -> np.ndarray:
     """Decode a JPEG of ``full`` (height, width) at the smallest DCT scale among 1, 1/2, 1/4 and 1/8 whose image
     is at least ``min_height`` x ``min_width``: libjpeg-turbo skips most of the inverse DCT work at those.
     The other M/8 scales libjpeg-turbo offers are left out: they are slower than 1/2 and resample less well
     (measured: windows resampled from a 7/8-scale decode fell to 27 dB of the exact output)."""
-    factor = 8
-    while factor > 1 and (-(-full[0] // factor) < min_height or -(-full[1] // factor) < min_width):
-        factor //= 2
+    factor = dct_factor(full, min_height, min_width)
     arr = simplejpeg.decode_jpeg(payload, colorspace="GRAY" if mode == "L" else "RGB", min_factor=factor,
                                  min_height=-(-full[0] // factor), min_width=-(-full[1] // factor))
     return arr if arr.ndim == 3 else arr[:, :, None]
@@ -201,11 +209,12 @@ def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int],
 def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, int], resize: int | Size | None,
                        crop: Size | None, interpolation: str) -> Image.Image | np.ndarray | None:
     """The read-time resize and centre crop of :func:`packer.transforms.resize_crop` on a JPEG decoded at the
-    smallest DCT scale that is at least ``MARGIN`` times the resized size; None when the crop pads (the exact
-    path does that)."""
+    smallest DCT scale that is at least ``MARGIN`` times the resized size, resampled by OpenCV (bilinear) or
+    Pillow; None when the crop pads or the image is under twice the resized size (the default path does those,
+    so an image that does not decode scaled keeps the default's pixels)."""
     h, w = full
     rw, rh = output_size(w, h, resize, None)
-    if crop and (crop[0] > rw or crop[1] > rh):
+    if (crop and (crop[0] > rw or crop[1] > rh)) or dct_factor(full, rh * MARGIN, rw * MARGIN) == 1:
         return None
     cw, ch = crop or (rw, rh)
     left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
