@@ -4,12 +4,14 @@
 
 Rows, each over the same images and the same windows (``augment_params``), best of ``--repeats`` interleaved passes:
 
-- ``pillow``: Pillow full decode, ``convert`` to the dataset's mode, crop, resize (bilinear), flip: what
-  torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` do after ImageFolder's loader (the baseline);
+- ``pillow``: Pillow full decode (raw stores: the stored array), ``convert`` to the dataset's mode, crop,
+  resize (bilinear), flip: what torchvision's ``RandomResizedCrop`` + ``RandomHorizontalFlip`` do after
+  ImageFolder's loader (the baseline);
 - ``packer pil``: ``ds[i]`` with ``decoder="pil"`` (the same pixels exactly);
-- ``packer auto``: ``ds[i]`` with the default decoder (DCT-scaled JPEG decode, only the window resampled);
+- ``packer auto``: ``ds[i]`` with the default decoder (DCT-scaled JPEG decode, only the window resampled, by
+  OpenCV);
 - ``simplejpeg scaled`` / ``pillow draft``: the two ways of decoding a JPEG at a reduced DCT scale, each
-  followed by the same window resample, to choose between them.
+  followed by a window resample (OpenCV's after simplejpeg, Pillow's after draft), to choose between them.
 
 One thread on purpose: this is the work per image, which the loader's threads then share.
 """
@@ -26,6 +28,7 @@ from PIL import Image
 import packer
 from packer.augment import MARGIN, resample_box, scaled_window, write_image
 from packer.sampler import EpochIndex
+from packer.transforms import to_pil
 
 
 def per_image(fn, items) -> float:
@@ -51,6 +54,9 @@ def main() -> None:
     for i in range(n):
         data, _ = auto.raw_sample(i)
         window = auto.augment_params(i, 0)
+        if isinstance(data, np.ndarray):  # a raw store: the baseline resamples the stored array with Pillow
+            items.append((i, data, window, data.shape[:2], False))
+            continue
         with Image.open(io.BytesIO(data)) as img:
             full = (img.height, img.width)
             is_jpeg = img.format == "JPEG"
@@ -60,7 +66,7 @@ def main() -> None:
 
     def pillow(item):
         _, data, w, _, _ = item
-        img = Image.open(io.BytesIO(data)).convert(mode)
+        img = to_pil(data) if isinstance(data, np.ndarray) else Image.open(io.BytesIO(data)).convert(mode)
         img = img.crop((w.left, w.top, w.left + w.width, w.top + w.height)).resize(
             (args.size, args.size), Image.Resampling.BILINEAR)
         if w.flipped:
@@ -69,7 +75,7 @@ def main() -> None:
 
     def simplejpeg_scaled(item):
         _, data, w, full, _ = item
-        write_image(scaled_window(data, mode, full, w, size, "bilinear"), w.flipped, out)
+        scaled_window(data, mode, full, w, size, "bilinear", out)
 
     def pillow_draft(item):
         _, data, w, full, _ = item

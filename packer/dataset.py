@@ -65,7 +65,8 @@ class PackedDataset(Decoding, Dataset):
         resize, center_crop, interpolation: a read-time resize and crop, with the same semantics as the
             offline ones (``resize=256, center_crop=224``); cheaper than an equivalent ``transform``.
         decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise; a read-time resize and crop resample only
-            the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale), ``"fast"`` (as
+            the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale and resamples with
+            OpenCV, within 30 dB of Pillow), ``"fast"`` (as
             auto, and a read-time resize of a JPEG also decodes at a reduced DCT scale: faster validation from
             large originals, a few levels from Pillow's pixels) or ``"pil"`` (Pillow for everything, resize
             then crop: torchvision's pipeline, exactly).

@@ -19,6 +19,7 @@ from .augment import (
     crop_resize,
     image_size,
     jpeg_size,
+    pil_window,
     resized_window,
     sample_window,
     scaled_resize_crop,
@@ -133,26 +134,25 @@ class Decoding:
         if not self.augments:
             return self._plain_array(index, sample, out)
         window = self._window(index, sample, epoch)
-        if self.random_resized_crop is None:  # flip only, after any resize/crop
-            image = self._plain_array(index, sample)
-        else:
-            image = self._resized_crop(index, sample, window)
+        if self.random_resized_crop is not None:
+            return self._resized_crop(index, sample, window, out)
+        image = self._plain_array(index, sample)  # flip only, after any resize/crop
         if out is not None and image.shape[:2] != out.shape[:2]:
             raise CorruptDataError(f"{self.reader.describe(index)}: image is {image.shape}, the dataset says "
                                    f"{out.shape}; re-pack or pass resize/center_crop")
         return write_image(image, window.flipped, out)
 
-    def _resized_crop(self, index: int, sample: Sample, window: Window) -> np.ndarray:
-        """The window resampled to the output size, unflipped: exactly torchvision's ``resized_crop`` on the
-        decoded image (decoder pil), or the fast path: JPEGs decoded at a reduced DCT scale, and torch's
-        resampler, within one level of Pillow's (auto/fast)."""
+    def _resized_crop(self, index: int, sample: Sample, window: Window, out: np.ndarray | None) -> np.ndarray:
+        """The window resampled to the output size and mirrored when flipped, written into ``out`` when given:
+        exactly torchvision's ``resized_crop`` then ``hflip`` on the decoded image (decoder pil), or the fast
+        path (auto/fast): JPEGs decoded at a reduced DCT scale, OpenCV's resampler, within 30 dB of Pillow's."""
         name = self.reader.describe(index)
         size = self.random_resized_crop
         full = self._full_size(index, sample)
         fast = self.decoder != "pil"
         if fast and not self._is_raw:
             arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
-                data, self.spec.mode, full, window, size, self.interpolation))
+                data, self.spec.mode, full, window, size, self.interpolation, out))
             if arr is not None:
                 return arr
         if self._is_raw or fast:
@@ -165,9 +165,11 @@ class Decoding:
         if decoded != full:
             raise CorruptDataError(f"{name}: image is {decoded[1]}x{decoded[0]}, the dataset says "
                                    f"{full[1]}x{full[0]}; re-pack")
-        if self._is_raw or fast:
-            return resized_window(arr, full, window, size, self.interpolation)
-        return as_hwc(crop_resize(img, window, size, self.interpolation))
+        if fast:
+            return resized_window(arr, full, window, size, self.interpolation, out)
+        image = pil_window(arr, window, size, self.interpolation) if self._is_raw else crop_resize(
+            img, window, size, self.interpolation)
+        return write_image(image, window.flipped, out)
 
     def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
         """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
