@@ -17,6 +17,7 @@ import click
 
 from . import __version__
 from .errors import ManifestError, PackerError
+from .remote.url import parse_url
 from .transforms import DEFAULT_MAX_PIXELS, INTERPOLATIONS, STORES, parse_size
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -319,6 +320,13 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
     from . import bench as b
 
     counts = b.split_ints(workers) if workers else None
+    if src and parse_url(src) is not None:  # a packed dataset at a URL: one cold and one warm epoch
+        from .remote.bench import bench_url, format_bench_url
+
+        rows = bench_url(src, batch_size=batch_size, workers=counts[0] if counts else 0,
+                         resize=b.optional_size(read_resize), center_crop=b.optional_size(read_crop))
+        click.echo(format_bench_url(src, rows))
+        return
     if tune_dest:
         if src:
             raise ValueError("give SRC to benchmark, or --tune DEST, not both")

@@ -32,6 +32,7 @@ from .dest import JOURNAL, dataset_problems, empty_folder, is_regular_file, prep
 from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
 from .formats.base import get_format
 from .manifest import FORMAT_VERSION, MANIFEST, read_manifest, write_json_atomic, write_manifest
+from .remote.url import parse_url
 from .sources import SampleReader, Source, open_source
 from .system import usable_cores
 from .transforms import DEFAULT_MAX_PIXELS, IMAGENET_MEAN, IMAGENET_STD, MAX_SIDE, TransformSpec, parse_size
@@ -179,6 +180,8 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
     initialised process group, every rank converts one part and rank 0 writes one manifest over all of them
     (``distributed=False`` converts in this process only; see :mod:`packer.distributed`). See the README for
     every option; the CLI's ``packer pack`` calls this with the same names."""
+    if parse_url(dest) is not None:  # converted into a staging folder in the cache, then uploaded
+        return _pack_to_url(locals())
     from .distributed import detect, pack_distributed
 
     dest = Path(dest)
@@ -222,6 +225,12 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
         raise _write_failed(dest, exc) from None
     (dest / MARKER).unlink()
     return manifest
+
+
+def _pack_to_url(arguments: dict[str, Any]) -> dict[str, Any]:
+    from .remote.upload import pack_to_url
+
+    return pack_to_url(**arguments)
 
 
 def _exists(path: Path) -> bool:

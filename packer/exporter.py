@@ -93,8 +93,9 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     ``out`` must be new or empty, or an image folder (a previous export) with ``overwrite=True``. Returns
     ``{"out", "count", "classes", "renamed"}`` (renamed: samples whose extension changed)."""
     from .formats import open_dataset
+    from .remote.resolve import local_dataset
 
-    dest, out = Path(dest), Path(out)
+    dest, out = Path(local_dataset(dest)), Path(out)
     ds = open_dataset(dest, decode=False, verify=True)
     store = ds.spec.store
     if ds.spec.normalize:

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from .errors import IncompleteDatasetError, ManifestError
+from .remote.url import parse_url
 
 MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
@@ -117,7 +118,12 @@ def _holds_images(folder: Path) -> bool:
 
 
 def read_manifest(dest: str | os.PathLike) -> dict:
-    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish."""
+    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish. ``dest`` may be a
+    URL (``s3://bucket/ds``...): only its manifest is fetched."""
+    if parse_url(dest) is not None:
+        from .remote.resolve import read_remote_manifest
+
+        return read_remote_manifest(os.fspath(dest))
     dest = Path(dest)
     path = dest / MANIFEST
     if not dest.is_dir():

@@ -18,10 +18,15 @@ from .errors import PackerError
 from .formats import open_dataset
 from .formats.parts import PartedDataset
 from .manifest import read_manifest, sha256_file
+from .remote.url import parse_url
 
 
 def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
     """Return the problems found in ``dest`` (empty when it is sound). Raises only for an unreadable manifest."""
+    if parse_url(dest) is not None:  # fetched into the cache, each file checked, then this on the local copy
+        from .remote.check import verify_url
+
+        return verify_url(os.fspath(dest), deep)
     dest = Path(dest)
     manifest = read_manifest(dest)
     problems: list[str] = []

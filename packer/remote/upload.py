@@ -1,0 +1,112 @@
+"""``packer pack SRC URL``: convert into a local staging folder in the cache, then upload, manifest last.
+
+A reader finds a dataset by its manifest, so the manifest is sent only once every data file it names is in
+place (and, when replacing a dataset, the old manifest is deleted first): a reader never sees a half-written
+dataset as a dataset. ``resume`` finishes the conversion in the staging folder if it was interrupted, and sends
+only the files that are missing remotely or differ (size, then the S3 ETag's md5 where the store gives one, else
+the sha256 recorded when the file was last sent)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import DestinationError, PackerError
+from ..manifest import MANIFEST
+from .cache import Cache
+from .fetch import retrying
+from .fs import filesystem
+from .url import RemoteUrl, parse_url
+
+
+def _md5(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _listing(fs: Any, remote: RemoteUrl) -> dict[str, dict]:
+    """Relative path -> info of every object under the dataset URL ({} when there is none)."""
+    base = fs._strip_protocol(remote.url).rstrip("/")
+    fs.invalidate_cache()  # a listing cached before this process's own uploads would be stale
+    try:
+        found = retrying(lambda: fs.find(remote.url, detail=True), remote.url, "list")
+    except PackerError as exc:
+        if "not found" in str(exc):
+            return {}
+        raise
+    return {name[len(base) + 1:]: info for name, info in found.items() if name.startswith(base + "/")}
+
+
+def _same(local: Path, entry: dict, info: dict | None, sent: dict[str, str]) -> bool:
+    """Whether the remote object ``info`` already holds the staged file ``local``."""
+    if info is None or info.get("size") != entry["bytes"]:
+        return False
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if len(etag) == 32 and "-" not in etag:  # a single-part S3 upload: the ETag is the md5
+        return etag == _md5(local)
+    return sent.get(entry["path"]) == entry["sha256"]
+
+
+def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: dict | None, resume: bool,
+           replace: bool) -> int:
+    """Send the staged dataset to ``remote``, manifest last; return the number of data files sent."""
+    fs = filesystem(remote.protocol, storage_options)
+    journal = staging.with_name(staging.name + ".sent.json")  # path -> sha256 of the files already sent
+    sent = json.loads(journal.read_text()) if resume and journal.exists() else {}
+    existing = _listing(fs, remote) if resume else {}
+    manifest_url = remote.join(MANIFEST)
+    if replace:  # first: no reader may pair the old manifest with new files
+        retrying(lambda: fs.rm_file(manifest_url), manifest_url, "delete")
+    count = 0
+    for entry in manifest["files"]:
+        local, url = staging / entry["path"], remote.join(entry["path"])
+        if resume and _same(local, entry, existing.get(entry["path"]), sent):
+            continue
+        retrying(lambda local=local, url=url: fs.put_file(str(local), url), url, "write")
+        sent[entry["path"]] = entry["sha256"]
+        journal.write_text(json.dumps(sent))
+        count += 1
+    text = (staging / MANIFEST).read_bytes()
+    retrying(lambda: fs.pipe_file(manifest_url, text), manifest_url, "write")
+    journal.unlink(missing_ok=True)
+    return count
+
+
+def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, overwrite: bool = False,
+                resume: bool = False, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+                **options: Any) -> dict[str, Any]:
+    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded.
+
+    Raises:
+        DestinationError: ``dest`` already holds a dataset (without ``overwrite``/``resume``), or files of an
+            interrupted upload (without ``resume``/``overwrite``).
+    """
+    from ..convert import pack
+
+    remote = parse_url(dest)
+    distributed = options.pop("distributed", None)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and distributed is not False:
+        raise PackerError(f"{dest}: a torchrun conversion cannot write to a URL yet; pack to a shared folder, then "
+                          "`packer pack FOLDER URL` from one process")
+    fs = filesystem(remote.protocol, storage_options)
+    existing = _listing(fs, remote)
+    finished = MANIFEST in existing
+    if existing and not (overwrite or resume):
+        what = "a packed dataset" if finished else f"{len(existing)} files but no {MANIFEST} (an interrupted upload?)"
+        raise DestinationError(f"{dest}: already holds {what}; pass --overwrite to replace it, or --resume to "
+                               "finish an interrupted one")
+    cache = Cache(cache_dir)
+    staging = cache.root / "staging" / cache.view(remote.url).name
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    again = resume and staging.exists() and any(staging.iterdir())
+    manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=False, **options)
+    upload(staging, manifest, remote, storage_options, resume=resume, replace=finished)
+    shutil.rmtree(staging, ignore_errors=True)
+    return manifest
