@@ -310,3 +310,14 @@ def test_bench_a_url_counts_what_each_epoch_fetches(http_packs, local_packs, run
     assert rows["cold (empty cache)"][2:] == [f"{manifest + data:,}", "2"]  # the manifest, then data.h5
     assert rows["warm (second epoch)"][2:] == ["0", "0"]
     assert rows["local files"][2:] == ["0", "0"]
+
+
+def test_torchrun_pack_to_s3_each_rank_uploads_its_part(s3, remote_src, local_packs):
+    from test_distributed_pack import torchrun
+
+    url = "s3://bucket/dist/wds"
+    result = torchrun("pack", remote_src, url, "--format", "wds", "--shard-samples", "4", "--quiet", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    manifest = packer.read_manifest(url)
+    assert [p["path"] for p in manifest["parts"]] == ["part-00000", "part-00001"]
+    assert stored_samples(url) == stored_samples(local_packs / "wds")

@@ -12,11 +12,12 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import DestinationError, PackerError
-from ..manifest import MANIFEST
+from ..manifest import JOURNAL, MANIFEST
 from .cache import Cache
 from .fetch import retrying
 from .fs import filesystem
@@ -55,17 +56,17 @@ def _same(local: Path, entry: dict, info: dict | None, sent: dict[str, str]) -> 
 
 
 def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: dict | None, resume: bool,
-           replace: bool) -> int:
-    """Send the staged dataset to ``remote``, manifest last; return the number of data files sent."""
+           files: list[dict] | None = None, last: bool = True, rank: int = 0) -> int:
+    """Send the staged dataset's ``files`` (default: all) to ``remote``, then, with ``last``, the manifest;
+    return the number of data files sent."""
     fs = filesystem(remote.protocol, storage_options)
-    journal = staging.with_name(staging.name + ".sent.json")  # path -> sha256 of the files already sent
+    # path -> sha256 of the files already sent, one record per rank, beside the staging folder (not in it: the
+    # conversion would not call the folder its own then)
+    journal = staging.with_name(f"{staging.name}.sent-{rank}.json")
     sent = json.loads(journal.read_text()) if resume and journal.exists() else {}
     existing = _listing(fs, remote) if resume else {}
-    manifest_url = remote.join(MANIFEST)
-    if replace:  # first: no reader may pair the old manifest with new files
-        retrying(lambda: fs.rm_file(manifest_url), manifest_url, "delete")
     count = 0
-    for entry in manifest["files"]:
+    for entry in manifest["files"] if files is None else files:
         local, url = staging / entry["path"], remote.join(entry["path"])
         if resume and _same(local, entry, existing.get(entry["path"]), sent):
             continue
@@ -73,28 +74,47 @@ def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: di
         sent[entry["path"]] = entry["sha256"]
         journal.write_text(json.dumps(sent))
         count += 1
-    text = (staging / MANIFEST).read_bytes()
-    retrying(lambda: fs.pipe_file(manifest_url, text), manifest_url, "write")
-    journal.unlink(missing_ok=True)
+    if last:
+        manifest_url = remote.join(MANIFEST)
+        text = (staging / MANIFEST).read_bytes()
+        retrying(lambda: fs.pipe_file(manifest_url, text), manifest_url, "write")
+        for record in staging.parent.glob(f"{staging.name}.sent-*.json"):
+            record.unlink(missing_ok=True)
     return count
+
+
+def _wait_for(remote: RemoteUrl, storage_options: dict | None, files: list[dict], timeout: float) -> None:
+    """Rank 0: wait until every other rank's files are in place remotely, so the manifest goes last."""
+    fs = filesystem(remote.protocol, storage_options)
+    deadline = time.monotonic() + timeout
+    while True:
+        existing = _listing(fs, remote)
+        missing = [e["path"] for e in files if (existing.get(e["path"]) or {}).get("size") != e["bytes"]]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise PackerError(f"{remote.join(missing[0])}: not uploaded by its rank within {timeout:.0f} s "
+                              f"({len(missing)} files missing); run the same command with --resume")
+        time.sleep(0.5)
 
 
 def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, overwrite: bool = False,
                 resume: bool = False, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
                 **options: Any) -> dict[str, Any]:
-    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded.
+    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded. Under
+    torchrun the staging folder (the cache folder) must be shared by every rank, as a local DEST is; each
+    rank uploads its own part, and rank 0 the manifest once every part is in place.
 
     Raises:
         DestinationError: ``dest`` already holds a dataset (without ``overwrite``/``resume``), or files of an
             interrupted upload (without ``resume``/``overwrite``).
     """
     from ..convert import pack
+    from ..distributed import PART, TIMEOUT_ENV, detect
 
     remote = parse_url(dest)
-    distributed = options.pop("distributed", None)
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and distributed is not False:
-        raise PackerError(f"{dest}: a torchrun conversion cannot write to a URL yet; pack to a shared folder, then "
-                          "`packer pack FOLDER URL` from one process")
+    context = detect(options.pop("distributed", None))  # the process group pack() then joins, under torchrun
+    rank = context.rank if context is not None else 0
     fs = filesystem(remote.protocol, storage_options)
     existing = _listing(fs, remote)
     finished = MANIFEST in existing
@@ -102,11 +122,28 @@ def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, over
         what = "a packed dataset" if finished else f"{len(existing)} files but no {MANIFEST} (an interrupted upload?)"
         raise DestinationError(f"{dest}: already holds {what}; pass --overwrite to replace it, or --resume to "
                                "finish an interrupted one")
+    if finished and rank == 0:  # first: no reader may pair the old manifest with new files
+        retrying(lambda: fs.rm_file(remote.join(MANIFEST)), remote.join(MANIFEST), "delete")
     cache = Cache(cache_dir)
     staging = cache.root / "staging" / cache.view(remote.url).name
     staging.parent.mkdir(parents=True, exist_ok=True)
-    again = resume and staging.exists() and any(staging.iterdir())
-    manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=False, **options)
-    upload(staging, manifest, remote, storage_options, resume=resume, replace=finished)
+    again = resume and ((staging / MANIFEST).exists() or (staging / JOURNAL).exists())
+    try:
+        manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=context is not None,
+                        **options)
+    finally:
+        if context is not None:
+            context.close()
+    if context is None:
+        upload(staging, manifest, remote, storage_options, resume)
+    else:
+        part = f"{PART.format(rank)}/"
+        mine = [e for e in manifest["files"] if e["path"].startswith(part) or (rank == 0 and "/" not in e["path"])]
+        upload(staging, manifest, remote, storage_options, resume, files=mine, last=False, rank=rank)
+        if rank != 0:
+            return manifest
+        others = [e for e in manifest["files"] if e not in mine]
+        _wait_for(remote, storage_options, others, float(os.environ.get(TIMEOUT_ENV, 1800)))
+        upload(staging, manifest, remote, storage_options, resume, files=[])
     shutil.rmtree(staging, ignore_errors=True)
     return manifest
