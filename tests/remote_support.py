@@ -108,9 +108,9 @@ def serve_files(root: Path) -> Served:
 
 class FaultProxy(http.server.BaseHTTPRequestHandler):
     """Forwards every request to ``upstream`` (host, port). ``faults`` (a deque shared by the proxy) holds what
-    the next GETs suffer: ``"500"``, ``"reset"`` (the connection closed with RST, nothing sent) or ``"truncate"``
-    (the upstream answer with half its body, then the connection closed); ``latency`` seconds are added to
-    every request."""
+    the next GETs suffer: ``"500"``, ``"reset"`` (the connection closed with RST, nothing sent), ``"truncate"``
+    (the upstream answer with half its body, then the connection closed) or ``"stall"`` (nothing for 2 s, then
+    the connection closed); ``latency`` seconds are added to every request."""
 
     upstream: tuple[str, int]
     served: Served
@@ -126,6 +126,10 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         fault = self.faults.popleft() if self.command == "GET" and self.faults else None
+        if fault == "stall":
+            time.sleep(2.0)
+            self.close_connection = True
+            return
         if fault == "reset":
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True

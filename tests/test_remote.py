@@ -250,6 +250,28 @@ def test_damaged_object_is_named_and_never_read(local_packs, tmp_path, run_packe
         server.stop()
 
 
+def test_a_timeout_is_retried(local_packs, tmp_path):
+    import aiohttp
+
+    server = serve_files(local_packs)
+    proxy = fault_proxy(server.url)
+    try:
+        proxy.faults.append("stall")
+        options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.5)}}
+        ds = packer.open_dataset(f"{proxy.url}/hdf5", storage_options=options, cache_dir=tmp_path, decode=False)
+        assert not proxy.faults and proxy.gets("/hdf5/manifest.json") == 2  # the first GET timed out
+        local = packer.open_dataset(local_packs / "hdf5", decode=False)
+        assert [ds.raw_sample(i) for i in range(len(ds))] == [local.raw_sample(i) for i in range(len(local))]
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+def test_stream_over_http_in_worker_processes(http_packs, local_packs, tmp_path):
+    remote = packer.stream(f"{http_packs.url}/wds", 4, num_workers=2, seed=1, cache_dir=tmp_path)
+    assert batches(remote) == batches(packer.stream(local_packs / "wds", 4, num_workers=2, seed=1))
+
+
 def test_retries_recover_from_500s_resets_and_short_bodies(local_packs, tmp_path):
     server = serve_files(local_packs)
     proxy = fault_proxy(server.url)
