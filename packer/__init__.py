@@ -5,6 +5,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.pack(src, dest, format="lmdb", ...)      # convert (or repack); returns the manifest
     packer.export(dest, out)                        # a packed dataset back to an image folder
     packer.open_dataset(dest, transform=None)       # the format's Dataset
+    # dest may be a URL (s3://, gs://, https://...) wherever it is read or written: see packer.remote
     packer.LmdbDataset, Hdf5Dataset, WdsDataset, FolderDataset
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
     packer.to_device(loader, "cuda", normalize=(mean, std))
