@@ -90,7 +90,7 @@ def test_mangled_or_unknown_url_is_an_error_never_a_local_folder(run_packer, rem
     proc = run_packer("pack", remote_src, "s3:/bucket/ds", "--format", "wds", cwd=tmp_path)
     assert_one_line_error(proc, "s3:/bucket/ds", "lost its '//'", code=2)
     monkeypatch.chdir(tmp_path)
-    for dest in ("s3:", "foo://bucket/ds", Path("gs://bucket/ds")):
+    for dest in ("s3:", "foo://bucket/ds", Path("gs://bucket/ds"), "https://host/ds"):
         with pytest.raises(UrlError) as error:
             packer.pack(remote_src, dest, "wds", progress=False)
         assert error.value.exit_code == 2 and "\n" not in str(error.value)

@@ -63,14 +63,14 @@ def _status(exc: BaseException) -> int | None:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying may help: 5xx, 408/429, connection resets, timeouts, bodies cut short."""
+    """Whether retrying may help: 500/502/503/504, 408/429, connection resets, timeouts, bodies cut short."""
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
         return False
     status = _status(exc)
     if status is not None:
-        return status >= 500 or status in (408, 429)
+        return status in (408, 429, 500, 502, 503, 504)  # not 501: the server will never do it
     names = " ".join(c.__name__ for c in type(exc).__mro__)
     return isinstance(exc, (OSError, TimeoutError)) or any(
         word in names for word in ("Timeout", "Connection", "Payload", "ClientError"))

@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import DestinationError, PackerError
+from ..errors import DestinationError, PackerError, UrlError
 from ..manifest import JOURNAL, MANIFEST
 from .cache import Cache
 from .fetch import retrying
 from .fs import filesystem
 from .url import RemoteUrl, parse_url
+
+READ_ONLY = ("http", "https")  # fsspec's HTTP filesystem cannot write
 
 
 def _md5(path: Path) -> str:
@@ -113,6 +115,9 @@ def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, over
     from ..distributed import PART, TIMEOUT_ENV, detect
 
     remote = parse_url(dest)
+    if remote.protocol in READ_ONLY:
+        raise UrlError(f"{dest}: {remote.protocol}:// is read-only for packer; pack to s3://, gs:// or a folder, "
+                       "and serve that over HTTP")
     context = detect(options.pop("distributed", None))  # the process group pack() then joins, under torchrun
     rank = context.rank if context is not None else 0
     fs = filesystem(remote.protocol, storage_options)
