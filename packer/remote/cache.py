@@ -1,11 +1,12 @@
 """The local cache of remote data files, shared safely by every process on a node.
 
-Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``)::
+Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``; its bound is
+``cache_limit``, else ``PACKER_CACHE_LIMIT``, else none)::
 
     objects/ab/<sha256>      data files, named by their content's sha256, each checked before it was renamed here
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
     locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
-    views/<key>/             one per URL: its manifest.json and links to the objects, a folder the readers open
+    views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
 
 A process that uses an object holds a shared ``flock`` on it (a :class:`Pin`); eviction (least recently used
 first, by modification time, which a pin refreshes) takes an exclusive, non-blocking lock before it deletes, so
@@ -78,7 +79,7 @@ class Cache:
 
     def __init__(self, root: str | os.PathLike | None = None, limit: int | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
-        self.limit = parse_limit(limit)
+        self.limit = parse_limit(limit if limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
         try:
             for sub in ("objects", "tmp", "locks", "views"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -92,9 +93,13 @@ class Cache:
         return self.root / "objects" / sha256[:2] / sha256
 
     def view(self, url: str) -> Path:
-        """The folder holding ``url``'s manifest and links to its cached files."""
-        name = hashlib.sha256(url.encode()).hexdigest()[:24]
-        return self.root / "views" / name
+        """The folder holding ``url``'s manifest and links to its cached files: ``views/s3/bucket/ds-<hash>``,
+        readable in the messages of the readers that open it, and unique to the URL."""
+        digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+        parts = [re.sub(r"[^A-Za-z0-9._-]+", "_", p) for p in re.split(r":/+|/", url) if p.strip(".")][:8]
+        parts = [p[:60] for p in parts] or ["dataset"]
+        parts[-1] = f"{parts[-1]}-{digest}"
+        return self.root.joinpath("views", *parts)
 
     def pin(self, sha256: str) -> Pin | None:
         """A :class:`Pin` on the cached object, or None when it is not cached."""
