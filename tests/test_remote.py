@@ -307,6 +307,11 @@ def test_upload_refuses_an_existing_dataset_and_resume_resends_only_what_differs
     puts = sorted(path for (method, path), n in proxy.requests.items() for _ in range(n) if method == "PUT")
     assert puts == ["/bucket/up/wds/manifest.json", "/bucket/up/wds/shard-000002.tar"]
     assert stored_samples(url) == stored_samples(s3_packs["wds"])
+    fs.pipe_file("bucket/up/wds/notes.txt", b"mine")
+    packer.pack(remote_src, url, "wds", progress=False, workers=1, overwrite=True, shard_samples=9)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find("bucket/up/wds")) == [
+        "manifest.json", "notes.txt", "shard-000000.tar", "shard-000001.tar", "wds_index.npy"]  # 4 shards fewer
+    assert stored_samples(url) == stored_samples(s3_packs["wds"])
 
 
 def test_missing_bucket_and_missing_credentials_say_what_to_set(s3, remote_src, run_packer, tmp_path):

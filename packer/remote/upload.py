@@ -8,6 +8,7 @@ the sha256 recorded when the file was last sent)."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..dest import PART_DIR
 from ..errors import DestinationError, PackerError, UrlError
 from ..manifest import JOURNAL, MANIFEST
 from .cache import Cache
@@ -85,6 +87,22 @@ def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: di
     return count
 
 
+def _stale(existing: dict[str, dict], manifest: dict) -> list[str]:
+    """Data files of a replaced dataset that the new one does not name (fewer shards, another format): only
+    names a format writer uses, at the top or in a part folder; anything else under the URL is left alone."""
+    from ..formats.base import writer_files
+
+    patterns = writer_files()
+    kept = {e["path"] for e in manifest["files"]} | {MANIFEST}
+    stale = []
+    for path in existing:
+        folder, _, name = path.rpartition("/")
+        if path not in kept and (not folder or PART_DIR.fullmatch(folder)) and any(
+                fnmatch.fnmatchcase(name, p) for p in patterns):
+            stale.append(path)
+    return sorted(stale)
+
+
 def _wait_for(remote: RemoteUrl, storage_options: dict | None, files: list[dict], timeout: float) -> None:
     """Rank 0: wait until every other rank's files are in place remotely, so the manifest goes last."""
     fs = filesystem(remote.protocol, storage_options)
@@ -103,7 +121,8 @@ def _wait_for(remote: RemoteUrl, storage_options: dict | None, files: list[dict]
 def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, overwrite: bool = False,
                 resume: bool = False, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
                 **options: Any) -> dict[str, Any]:
-    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded. Under
+    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded. Data
+    files of a replaced dataset that the new one does not name are deleted after the new manifest. Under
     torchrun the staging folder (the cache folder) must be shared by every rank, as a local DEST is; each
     rank uploads its own part, and rank 0 the manifest once every part is in place.
 
@@ -150,5 +169,7 @@ def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, over
         others = [e for e in manifest["files"] if e not in mine]
         _wait_for(remote, storage_options, others, float(os.environ.get(TIMEOUT_ENV, 1800)))
         upload(staging, manifest, remote, storage_options, resume, files=[])
+    for url in [remote.join(path) for path in _stale(existing, manifest)]:  # after the new manifest: unread now
+        retrying(lambda url=url: fs.rm_file(url), url, "delete")
     shutil.rmtree(staging, ignore_errors=True)
     return manifest
