@@ -348,3 +348,8 @@ def test_torchrun_pack_to_s3_each_rank_uploads_its_part(s3, remote_src, local_pa
     manifest = packer.read_manifest(url)
     assert [p["path"] for p in manifest["parts"]] == ["part-00000", "part-00001"]
     assert stored_samples(url) == stored_samples(local_packs / "wds")
+    import s3fs
+
+    listed = s3fs.S3FileSystem(endpoint_url=s3.url, skip_instance_cache=True).find("bucket/dist/wds")
+    assert sorted(p.removeprefix("bucket/dist/wds/") for p in listed) == sorted(
+        ["manifest.json", *(f["path"] for f in manifest["files"])])  # the ranks' "uploaded" notes are gone

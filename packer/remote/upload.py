@@ -26,6 +26,7 @@ from .fs import filesystem
 from .url import RemoteUrl, parse_url
 
 READ_ONLY = ("http", "https")  # fsspec's HTTP filesystem cannot write
+DONE = ".packer-uploaded"  # under torchrun: a rank's part is uploaded
 
 
 def _md5(path: Path) -> str:
@@ -103,19 +104,32 @@ def _stale(existing: dict[str, dict], manifest: dict) -> list[str]:
     return sorted(stale)
 
 
-def _wait_for(remote: RemoteUrl, storage_options: dict | None, files: list[dict], timeout: float) -> None:
-    """Rank 0: wait until every other rank's files are in place remotely, so the manifest goes last."""
+def _done_url(remote: RemoteUrl, rank: int) -> str:
+    """Where a rank says its part is uploaded: ``part-NNNNN/.packer-uploaded`` holding this conversion's token."""
+    from ..distributed import PART
+
+    return remote.join(f"{PART.format(rank)}/{DONE}")
+
+
+def _wait_for_ranks(remote: RemoteUrl, storage_options: dict | None, world: int, token: str,
+                    timeout: float) -> None:
+    """Rank 0: wait until every other rank has said (with this conversion's token) that its part is uploaded,
+    so that the manifest goes last; files of an earlier upload of the same size prove nothing."""
     fs = filesystem(remote.protocol, storage_options)
     deadline = time.monotonic() + timeout
-    while True:
-        existing = _listing(fs, remote)
-        missing = [e["path"] for e in files if (existing.get(e["path"]) or {}).get("size") != e["bytes"]]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise PackerError(f"{remote.join(missing[0])}: not uploaded by its rank within {timeout:.0f} s "
-                              f"({len(missing)} files missing); run the same command with --resume")
-        time.sleep(0.5)
+    for rank in range(1, world):
+        url = _done_url(remote, rank)
+        while True:
+            try:
+                if fs.cat_file(url).decode() == token:
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise PackerError(f"{url}: rank {rank} did not finish its upload within {timeout:.0f} s; run the "
+                                  "same command with --resume")
+            time.sleep(0.5)
+            fs.invalidate_cache()
 
 
 def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, overwrite: bool = False,
@@ -164,11 +178,14 @@ def pack_to_url(src: str | os.PathLike, dest: str, format: str = "lmdb", *, over
         part = f"{PART.format(rank)}/"
         mine = [e for e in manifest["files"] if e["path"].startswith(part) or (rank == 0 and "/" not in e["path"])]
         upload(staging, manifest, remote, storage_options, resume, files=mine, last=False, rank=rank)
+        token = hashlib.sha256((staging / MANIFEST).read_bytes()).hexdigest()  # this conversion's manifest
         if rank != 0:
+            retrying(lambda: fs.pipe_file(_done_url(remote, rank), token.encode()), _done_url(remote, rank), "write")
             return manifest
-        others = [e for e in manifest["files"] if e not in mine]
-        _wait_for(remote, storage_options, others, float(os.environ.get(TIMEOUT_ENV, 1800)))
+        _wait_for_ranks(remote, storage_options, context.world, token, float(os.environ.get(TIMEOUT_ENV, 1800)))
         upload(staging, manifest, remote, storage_options, resume, files=[])
+        for url in [_done_url(remote, r) for r in range(1, context.world)]:
+            retrying(lambda url=url: fs.rm_file(url), url, "delete")
     for url in [remote.join(path) for path in _stale(existing, manifest)]:  # after the new manifest: unread now
         retrying(lambda url=url: fs.rm_file(url), url, "delete")
     shutil.rmtree(staging, ignore_errors=True)
