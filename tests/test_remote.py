@@ -16,6 +16,7 @@ from remote_support import S3Server, fault_proxy, serve_files
 from test_cli import assert_ok, assert_one_line_error
 
 import packer
+import packer.remote
 from packer.errors import DestinationError, RemoteError, UrlError
 from packer.remote.cache import Cache
 from packer.verify import verify
@@ -95,6 +96,7 @@ def test_mangled_or_unknown_url_is_an_error_never_a_local_folder(run_packer, rem
             packer.pack(remote_src, dest, "wds", progress=False)
         assert error.value.exit_code == 2 and "\n" not in str(error.value)
     assert list(tmp_path.iterdir()) == []
+    assert packer.remote.parse_url("data:set") is None  # a local name with a colon stays local
     with pytest.raises(UrlError, match="lost its '//'"):
         packer.open_dataset(Path("s3://bucket/ds"))  # Path() made it s3:/bucket/ds
     with pytest.raises(UrlError, match="unknown URL scheme 'nope'"):
@@ -178,6 +180,7 @@ def test_second_epoch_with_the_server_stopped(local_packs, tmp_path):
 CHILD = """
 import hashlib, sys
 import packer
+import packer.remote
 ds = packer.open_dataset(sys.argv[1], cache_dir=sys.argv[2], decode=False, verify=True)
 print(hashlib.sha256(repr([ds.raw_sample(i) for i in range(len(ds))]).encode()).hexdigest())
 """

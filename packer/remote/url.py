@@ -35,7 +35,7 @@ def parse_url(text: str | os.PathLike) -> RemoteUrl | None:
 
     Raises:
         UrlError: ``text`` has a scheme fsspec does not know, or looks like a URL that lost its ``//``
-            (``s3:/bucket/ds``, ``s3:bucket``), which would otherwise become a local folder named ``s3:``.
+            (``s3:/bucket/ds``, ``s3:``), which would otherwise become a local folder named ``s3:``.
     """
     text = os.fspath(text)
     match = _SCHEME.fullmatch(text) if isinstance(text, str) else None
@@ -44,7 +44,7 @@ def parse_url(text: str | os.PathLike) -> RemoteUrl | None:
     scheme, slashes, rest = match.group(1).lower(), match.group(2), match.group(3)
     protocols = known_protocols()
     if not slashes:
-        if scheme in protocols:
+        if scheme in protocols and (not rest or rest.startswith("/")):  # what Path() makes of s3://b/ds, s3://
             example = f"{scheme}://{rest.lstrip('/')}" if rest.strip("/") else f"{scheme}://bucket/dataset"
             raise UrlError(f"{text}: looks like a {scheme}:// URL that lost its '//' (a Path() collapses it); "
                            f"write it as {example}, or ./{text} for a local folder")
