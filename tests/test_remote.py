@@ -180,7 +180,6 @@ def test_second_epoch_with_the_server_stopped(local_packs, tmp_path):
 CHILD = """
 import hashlib, sys
 import packer
-import packer.remote
 ds = packer.open_dataset(sys.argv[1], cache_dir=sys.argv[2], decode=False, verify=True)
 print(hashlib.sha256(repr([ds.raw_sample(i) for i in range(len(ds))]).encode()).hexdigest())
 """
