@@ -6,6 +6,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.export(dest, out)                        # a packed dataset back to an image folder
     packer.open_dataset(dest, transform=None)       # the format's Dataset
     packer.LmdbDataset, Hdf5Dataset, WdsDataset, PartedDataset, FolderDataset
+    # dest may be a URL (s3://, gs://, https://...) wherever it is read or written: see packer.remote
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
     packer.to_device(loader, "cuda", normalize=(mean, std))
     packer.stream(dest, batch_size)                 # sequential reading of WebDataset shards, resumable
@@ -23,7 +24,7 @@ _EXPORTS = {
     "pack": "packer.convert",
     "export": "packer.exporter",
     "open_dataset": "packer.dataset",
-    "read_manifest": "packer.manifest",
+    "read_manifest": "packer.remote",
     "LmdbDataset": "packer.dataset",
     "Hdf5Dataset": "packer.dataset",
     "WdsDataset": "packer.dataset",

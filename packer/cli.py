@@ -18,6 +18,7 @@ import click
 from . import __version__
 from .errors import ManifestError, PackerError, UsageError
 from .options import click_options
+from .remote.url import parse_url
 
 
 def one_line(exc: click.ClickException) -> str:
@@ -126,7 +127,7 @@ def summary_line(dest: str, manifest: dict) -> str:
 @handle_errors
 def info(dest, as_json) -> None:
     """Summarise the packed dataset DEST."""
-    from .manifest import read_manifest
+    from .remote import read_manifest
 
     manifest = read_manifest(dest)
     if as_json:
@@ -253,6 +254,13 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
         b.parse_pipelines(b.split_names(pipelines))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if src and parse_url(src) is not None:  # a packed dataset at a URL: one cold and one warm epoch
+        from .remote.bench import bench_url, format_bench_url
+
+        rows = bench_url(src, batch_size=batch_size, workers=counts[0] if counts else 0,
+                         resize=b.optional_size(read_resize), center_crop=b.optional_size(read_crop))
+        click.echo(format_bench_url(src, rows))
+        return
     if tune_dest:
         if src:
             raise UsageError("give SRC to benchmark, or --tune DEST, not both")

@@ -17,14 +17,17 @@ from typing import Any
 from .dest import is_regular_file
 from .distributed import detect, pack_distributed
 from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_dest
-from .errors import DestinationError, NothingPackedError
+from .errors import DestinationError, NothingPackedError, UsageError
 from .journal import differences, discard, finish, open_journal
 from .lock import OutputLock, check_free
 from .manifest import MANIFEST, read_manifest
 from .options import args_doc, pack_options, signature_parameters
+from .remote.url import parse_url
 
 
-def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", **options: Any) -> dict[str, Any]:
+def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", *,
+         storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+         **options: Any) -> dict[str, Any]:
     """Convert ``src`` into a ``format`` dataset in ``dest`` and return its manifest.
 
     ``src`` is an image folder, a dataset packed by packer (any format: repacking keeps relpaths, and with
@@ -39,8 +42,12 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
 
     Args:
         src: the image folder, packed dataset or WebDataset shards to convert.
-        dest: the folder to write; new, empty, or (with ``overwrite``) a packer dataset.
+        dest: the folder to write; new, empty, or (with ``overwrite``) a packer dataset. Or a URL (``s3://``,
+            ``gs://``): converted into a staging folder in the cache, then uploaded, manifest last
+            (:mod:`packer.remote.upload`).
         format: the output format: a name of the format registry (lmdb, hdf5, wds).
+        storage_options: for a URL ``dest``, the fsspec filesystem's options (credentials, endpoint).
+        cache_dir: for a URL ``dest``, the cache folder that holds the staging folder.
 {options}
 
     Returns:
@@ -51,7 +58,15 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
         DestinationBusyError: another packer process is writing ``dest``.
         PackerError: any other failure, with a one-line message that names the file and what to do.
     """
-    opts = pack_options(format, options)
+    opts = pack_options(format, options)  # bad options fail before anything is read or sent
+    if parse_url(dest) is not None:
+        from .remote.upload import pack_to_url
+
+        return pack_to_url(pack, src, os.fspath(dest), format, storage_options=storage_options, cache_dir=cache_dir,
+                           **options)
+    if storage_options is not None or cache_dir is not None:
+        raise UsageError(f"{dest}: storage_options and cache_dir are for a URL destination (s3://, gs://); "
+                         "a folder needs neither")
     dest = Path(dest)
     if not opts.resume or not is_regular_file(dest / MANIFEST):
         check_free(dest)  # before the scan of a large source: a second writer fails at once
@@ -84,7 +99,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
 
 pack.__doc__ = pack.__doc__.replace("{options}", args_doc())
 pack.__signature__ = inspect.signature(pack).replace(parameters=[
-    *list(inspect.signature(pack).parameters.values())[:3], *signature_parameters()])
+    *list(inspect.signature(pack).parameters.values())[:5], *signature_parameters()])
 
 
 def _exists(path: Path) -> bool:

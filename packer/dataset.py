@@ -289,9 +289,11 @@ def open_dataset(root: str | os.PathLike, **kwargs: Any) -> PackedDataset:
     """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says.
 
     Args:
-        root: the dataset folder.
-        **kwargs: :class:`PackedDataset`'s arguments (``transform``, ``resize``, ``center_crop``...) and the
-            format reader's own (``readahead``, ``locking``).
+        root: the dataset folder, or its URL (``s3://bucket/ds``, ``gs://...``, ``https://...``): fetched into
+            the local cache and read from there.
+        **kwargs: :class:`PackedDataset`'s arguments (``transform``, ``resize``, ``center_crop``...), and
+            :func:`packer.formats.open_reader`'s: the format reader's own (``readahead``, ``locking``) and, for a
+            URL, ``storage_options``, ``cache_dir`` and ``cache_limit``.
 
     Returns:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion

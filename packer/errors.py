@@ -66,3 +66,14 @@ class ManifestError(PackerError):
 
 class CorruptDataError(PackerError):
     """A packed data file or record does not match what the manifest says."""
+
+
+class UrlError(PackerError):
+    """A URL that cannot be understood (unknown scheme, a mangled ``s3:/...``), or remote storage that refuses
+    access: nothing local is written in its place."""
+
+    exit_code = 2
+
+
+class RemoteError(PackerError):
+    """Remote storage failed after retries, or served an object that does not match the manifest."""

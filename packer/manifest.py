@@ -130,7 +130,8 @@ def _holds_images(folder: Path) -> bool:
 
 
 def read_manifest(dest: str | os.PathLike) -> dict:
-    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish."""
+    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish. For a folder or a
+    URL, :func:`packer.read_manifest` (:func:`packer.remote.read_manifest`)."""
     dest = Path(dest)
     path = dest / MANIFEST
     if not dest.is_dir():

@@ -31,19 +31,23 @@ from .transforms import (
 )
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-              "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+              "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_bytes(text: str | None) -> int | None:
-    """``"256MB"`` -> 256000000; a click error for anything else."""
-    if text is None:
+def parse_bytes(value: int | str | None) -> int | None:
+    """A positive number of bytes, given as an int or a string such as ``"256MB"`` or ``"10GiB"``; None stays
+    None. Anything else is a :class:`UsageError` (a ValueError)."""
+    if value is None:
         return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise click.BadParameter(f"{text!r} is not a size like 256MB")
-    size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in SIZE_UNITS:
+            raise UsageError(f"{value!r} is not a size like 256MB")
+        size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
     if size < 1:
-        raise click.BadParameter(f"{text!r} is not a positive size; give one like 256MB")
+        raise UsageError(f"{value!r} is not a positive size; give one like 256MB")
     return size
 
 
@@ -72,7 +76,10 @@ class ByteSize(click.ParamType):
     name = "bytes"
 
     def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_bytes(value)
+        try:
+            return parse_bytes(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class FormatChoice(click.Choice):

@@ -297,7 +297,9 @@ def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key:
     - a ``.tar`` file, a glob such as ``'shards/*.tar'``, or a folder that holds ``.tar`` files and no
       sub-folders: WebDataset shards (labels from ``label_key``, default ``cls``);
     - any other folder: an image folder (``include_hidden`` keeps names starting with '.')."""
-    text = os.fspath(src)
+    from .remote.resolve import local_dataset
+
+    text = os.fspath(local_dataset(src))  # a URL: the packed dataset there, fetched into the cache
     path = Path(text)
     shards: list[Path] | None = None
     pattern = None

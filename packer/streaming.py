@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .errors import CorruptDataError, PackerError
 from .formats.wds import IMAGE_EXTS
 from .manifest import read_manifest
+from .remote.resolve import RemoteFile, fetched, remote_files
+from .remote.url import parse_url
 from .sampler import STATE_VERSION, distributed_rank_world
 from .system import usable_cores
 from .transforms import decode
@@ -32,11 +34,13 @@ from .transforms import decode
 _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
 
 
-def shard_samples(path: Path) -> Iterator[tuple[str, bytes, str, int]]:
-    """``(key, image bytes, image extension, label)`` of each sample of a shard, read sequentially."""
+def shard_samples(shard: Path | RemoteFile) -> Iterator[tuple[str, bytes, str, int]]:
+    """``(key, image bytes, image extension, label)`` of each sample of a shard, read sequentially (a remote
+    shard from its cached copy, held only while it is read)."""
     key, members = None, {}
+    path = shard  # what messages name: the file, or the remote shard's URL
     try:
-        with tarfile.open(path, "r|") as tar:
+        with fetched(shard) as local, tarfile.open(local, "r|") as tar:
             for member in tar:
                 if not member.isfile() or "." not in member.name:
                     continue
@@ -78,7 +82,8 @@ def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Ite
 class StreamPlan:
     """One epoch of this rank: the shards each of its streams reads, and the batches each makes."""
 
-    def __init__(self, shards: list[tuple[Path, int]], epoch: int, settings: dict[str, Any], rank: int, world: int):
+    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], epoch: int, settings: dict[str, Any], rank: int,
+                 world: int):
         order = list(range(len(shards)))
         if settings["shuffle"]:
             generator = torch.Generator().manual_seed(settings["seed"] + epoch)
@@ -168,7 +173,7 @@ class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
     at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
 
-    def __init__(self, shards: list[tuple[Path, int]], settings: dict[str, Any], mode: str, buffer: int):
+    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], settings: dict[str, Any], mode: str, buffer: int):
         self.shards = shards
         self.rank, self.world = distributed_rank_world()
         self.settings = dict(settings, world_size=self.world)
@@ -240,7 +245,9 @@ class StreamLoader:
 
 
 def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
-           seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000) -> StreamLoader:
+           seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000,
+           storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+           cache_limit: int | str | None = None, cache: bool = True) -> StreamLoader:
     """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW).
 
     Every sample comes once per epoch on one rank; shards are reshuffled every epoch and samples mixed through a
@@ -256,16 +263,25 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         mode: the PIL mode images are decoded to.
         drop_last: drop each stream's last partial batch.
         buffer: samples in each stream's shuffle buffer.
+        storage_options, cache_dir, cache_limit: for a URL ``root``: each shard is fetched into the cache when
+            its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
+            may be below the dataset's size (it must hold one shard per worker).
+        cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
 
     Returns:
         A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
     """
-    root = Path(root)
-    manifest = read_manifest(root)
+    files = None
+    if parse_url(root) is not None:
+        manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
+    else:
+        root = Path(root)
+        manifest = read_manifest(root)
     if not manifest.get("shards"):
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")
-    shards = [(root / s["path"], int(s["count"])) for s in manifest["shards"]]
+    shards = [(files[s["path"]] if files is not None else root / s["path"], int(s["count"]))
+              for s in manifest["shards"]]
     workers = usable_cores() if num_workers is None else num_workers
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}

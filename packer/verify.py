@@ -16,6 +16,7 @@ from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
 from .manifest import read_manifest, sha256_file
+from .remote.url import parse_url
 
 
 def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
@@ -31,6 +32,10 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
     Raises:
         PackerError: only for an unreadable manifest.
     """
+    if parse_url(dest) is not None:  # fetched into the cache, each file checked, then this on the local copy
+        from .remote.check import verify_url
+
+        return verify_url(verify, os.fspath(dest), deep)
     dest = Path(dest)
     manifest = read_manifest(dest)
     problems: list[str] = []

@@ -1,0 +1,222 @@
+"""The local cache of remote data files, shared safely by every process on a node.
+
+Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``; its bound is
+``cache_limit``, else ``PACKER_CACHE_LIMIT``, else none)::
+
+    objects/ab/<sha256>      data files, named by their content's sha256, each checked before it was renamed here
+    tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
+    locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
+    views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
+
+A process that uses an object holds a shared ``flock`` on it (a :class:`Pin`); eviction (least recently used
+first, by modification time, which a pin refreshes) takes an exclusive, non-blocking lock before it deletes, so
+it never removes a file another process has open, and it only ever deletes regular files inside ``objects/``
+and abandoned downloads inside ``tmp/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..errors import RemoteError, UsageError
+from ..options import parse_bytes
+
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def parse_limit(limit: int | str | None) -> int | None:
+    """``cache_limit`` in bytes: an int, or a string such as ``"10GB"`` or ``"512MiB"``; None: unbounded."""
+    try:
+        return parse_bytes(limit)
+    except ValueError as exc:
+        raise UsageError(f"cache_limit: {exc}") from None
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("PACKER_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "packer"
+
+
+class Pin:
+    """A shared lock on one cached object, held while a reader may use it; eviction skips it. A forked child
+    shares it; :meth:`release` (or the process's exit) lets the object be evicted again."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+class Cache:
+    """A cache folder with an optional size bound (``limit`` in bytes or ``"10GB"``)."""
+
+    def __init__(self, root: str | os.PathLike | None = None, limit: int | str | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir()
+        self.limit = parse_limit(limit if limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
+        try:
+            for sub in ("objects", "tmp", "locks", "views"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RemoteError(f"{self.root}: cannot create the cache folder ({exc.strerror or exc}); set "
+                              "PACKER_CACHE_DIR or pass cache_dir to a writable folder") from None
+
+    def object_path(self, sha256: str) -> Path:
+        if not _SHA.fullmatch(sha256):
+            raise ValueError(f"not a sha256: {sha256!r}")
+        return self.root / "objects" / sha256[:2] / sha256
+
+    def view(self, url: str) -> Path:
+        """The folder holding ``url``'s manifest and links to its cached files: ``views/s3/bucket/ds-<hash>``,
+        readable in the messages of the readers that open it, and unique to the URL."""
+        digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+        parts = [re.sub(r"[^A-Za-z0-9._-]+", "_", p) for p in re.split(r":/+|/", url) if p.strip(".")][:8]
+        parts = [p[:60] for p in parts] or ["dataset"]
+        parts[-1] = f"{parts[-1]}-{digest}"
+        return self.root.joinpath("views", *parts)
+
+    def pin(self, sha256: str) -> Pin | None:
+        """A :class:`Pin` on the cached object, or None when it is not cached."""
+        path = self.object_path(sha256)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # evicted between the open and the lock: the name no longer leads to the file this fd holds
+            if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                raise FileNotFoundError(path)
+            os.utime(path)  # the LRU clock
+        except OSError:
+            os.close(fd)
+            return None
+        return Pin(path, fd)
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, flags)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def obtain(self, sha256: str, size: int, fetch: Callable[[Path], None]) -> Pin:
+        """A pin on the object ``sha256``, fetched first when it is not cached: by one process at a time (the
+        others wait, then find it), into a reserved temporary file that ``fetch(path)`` fills and checks, then
+        renamed into place."""
+        pin = self.pin(sha256)
+        if pin is not None:
+            return pin
+        with self._locked(self.root / "locks" / f"{sha256}.lock"):
+            pin = self.pin(sha256)
+            if pin is not None:
+                return pin
+            tmp = self.root / "tmp" / f"{sha256}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            fd = self._reserve(tmp, size)
+            try:
+                fetch(tmp)
+                path = self.object_path(sha256)
+                path.parent.mkdir(exist_ok=True)
+                os.replace(tmp, path)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # the reservation's lock becomes the pin: no gap to evict it in
+                os.utime(path)
+                return Pin(path, fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                raise
+
+    def _reserve(self, tmp: Path, size: int) -> int:
+        """Make room for ``size`` bytes and reserve them with a locked temporary file of that size, so that
+        downloads running at once in several processes together stay within the limit."""
+        with self._locked(self.root / "evict.lock"):
+            if self.limit is not None:
+                self._make_room(size)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # an abandoned download is one whose lock is free
+            os.ftruncate(fd, size)
+        return fd
+
+    def entries(self) -> list[tuple[float, int, Path]]:
+        """``(mtime, bytes, path)`` of every cached object and download in progress."""
+        found = []
+        for folder in [*(self.root / "objects").iterdir(), self.root / "tmp"]:
+            if not folder.is_dir() or folder.is_symlink():
+                continue
+            for path in folder.iterdir():
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime, st.st_size, path))
+        return found
+
+    def used(self) -> int:
+        """Bytes the cache holds (objects and reserved downloads)."""
+        return sum(size for _, size, _ in self.entries())
+
+    def _make_room(self, size: int) -> None:
+        entries = sorted(self.entries())
+        total = sum(s for _, s, _ in entries)
+        for _, bytes_, path in entries:
+            if total + size <= self.limit:
+                return
+            if self._evict(path):
+                total -= bytes_
+        if total + size > self.limit:
+            raise RemoteError(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
+                              f"{total:,} bytes are in use by open datasets or downloads; raise cache_limit, or "
+                              "read with packer.stream, which holds one shard per worker")
+
+    def _evict(self, path: Path) -> bool:
+        """Delete one object (or abandoned download) that no process holds; False when one does."""
+        root = self.root.resolve()
+        parent = path.resolve().parent
+        if not (_is_regular(path) and (parent == root / "tmp" or parent.parent == root / "objects")):
+            return False  # only regular files in objects/ab/ and tmp/: never anything outside the cache
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                path.unlink()
+                return True
+            return False
+        except OSError:
+            return False
+        finally:
+            os.close(fd)

@@ -1,0 +1,357 @@
+"""Packed datasets on object storage and HTTP, against servers the tests start on 127.0.0.1: moto's S3, a
+Range-capable file server, and a fault-injecting proxy. What is read over a URL must be exactly what the same
+dataset gives locally."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import snapshot, stored_samples, write_image
+from remote_support import S3Server, fault_proxy, serve_files
+from test_cli import assert_ok, assert_one_line_error
+
+import packer
+import packer.remote
+from packer.errors import DestinationError, RemoteError, UrlError
+from packer.remote.cache import Cache
+from packer.verify import verify
+
+FORMATS = ("lmdb", "hdf5", "wds")
+PACK = {"lmdb": {}, "hdf5": {}, "wds": {"shard_samples": 4}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_env(tmp_path_factory):
+    """The default cache (and upload staging) in a temporary folder, and quick retries."""
+    saved = {k: os.environ.get(k) for k in ("PACKER_CACHE_DIR", "PACKER_RETRY_BACKOFF")}
+    os.environ["PACKER_CACHE_DIR"] = str(tmp_path_factory.mktemp("packer-cache"))
+    os.environ["PACKER_RETRY_BACKOFF"] = "0.01"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def remote_src(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("remote") / "src"
+    for c, name in enumerate(("ant", "bee", "cat")):
+        for i in range(6):
+            write_image(root / name / f"{i}.jpg", 40, 30, seed=10 * c + i)  # one size: packer.stream batches
+    return root
+
+
+@pytest.fixture(scope="module")
+def local_packs(tmp_path_factory, remote_src) -> Path:
+    """The folder holding ``lmdb/``, ``hdf5/`` and ``wds/``, packed locally (and served over HTTP)."""
+    root = tmp_path_factory.mktemp("local-packs")
+    for fmt in FORMATS:
+        packer.pack(remote_src, root / fmt, fmt, progress=False, workers=1, **PACK[fmt])
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_packs(s3, remote_src) -> dict[str, str]:
+    urls = {}
+    for fmt in FORMATS:
+        urls[fmt] = f"s3://bucket/packs/{fmt}"
+        packer.pack(remote_src, urls[fmt], fmt, progress=False, workers=1, **PACK[fmt])
+    return urls
+
+
+@pytest.fixture(scope="module")
+def http_packs(local_packs):
+    server = serve_files(local_packs)
+    yield server
+    server.stop()
+
+
+def digest(samples) -> str:
+    return hashlib.sha256(repr(samples).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# URLs that cannot be understood
+# --------------------------------------------------------------------------------------------------------------
+def test_mangled_or_unknown_url_is_an_error_never_a_local_folder(run_packer, remote_src, tmp_path, monkeypatch):
+    proc = run_packer("pack", remote_src, "s3:/bucket/ds", "--format", "wds", cwd=tmp_path)
+    assert_one_line_error(proc, "s3:/bucket/ds", "lost its '//'", code=2)
+    monkeypatch.chdir(tmp_path)
+    for dest in ("s3:", "foo://bucket/ds", Path("gs://bucket/ds"), "https://host/ds"):
+        with pytest.raises(UrlError) as error:
+            packer.pack(remote_src, dest, "wds", progress=False)
+        assert error.value.exit_code == 2 and "\n" not in str(error.value)
+    assert list(tmp_path.iterdir()) == []
+    assert packer.remote.parse_url("data:set") is None  # a local name with a colon stays local
+    with pytest.raises(UrlError, match="lost its '//'"):
+        packer.open_dataset(Path("s3://bucket/ds"))  # Path() made it s3:/bucket/ds
+    with pytest.raises(UrlError, match="unknown URL scheme 'nope'"):
+        packer.read_manifest("nope://x/y")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Round trips: what a URL gives is what the local dataset gives
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_s3_pack_then_read_verify_export_give_the_local_samples(fmt, s3_packs, local_packs, tmp_path, run_packer):
+    url = s3_packs[fmt]
+    assert stored_samples(url) == stored_samples(local_packs / fmt)
+    ds = packer.open_dataset(url, cache_dir=tmp_path / "cache")
+    local = packer.open_dataset(local_packs / fmt)
+    assert all((ds[i][0] == local[i][0]).all() and ds[i][1] == local[i][1] for i in range(len(ds)))
+    assert verify(url, deep=True) == []
+    packer.export(url, tmp_path / "out", progress=False)
+    packer.export(local_packs / fmt, tmp_path / "out-local", progress=False)
+    assert snapshot(tmp_path / "out") == snapshot(tmp_path / "out-local")
+    proc = run_packer("info", url)
+    assert_ok(proc)
+    assert proc.stdout.startswith(f"{url}: 18 images, 3 classes, {fmt}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_http_read_and_verify_give_the_local_samples(fmt, http_packs, local_packs, run_packer):
+    url = f"{http_packs.url}/{fmt}"
+    assert stored_samples(url) == stored_samples(local_packs / fmt)
+    assert verify(url, deep=True) == []
+    if fmt == "wds":  # the command once: each run starts a Python
+        proc = run_packer("verify", url, "--deep")
+        assert_ok(proc)
+        assert proc.stdout.strip() == f"{url}: ok (every sample decoded)"
+
+
+def test_repack_from_a_url(s3_packs, local_packs, tmp_path):
+    packer.pack(s3_packs["wds"], tmp_path / "re", "lmdb", progress=False, workers=1)
+    assert stored_samples(tmp_path / "re") == stored_samples(local_packs / "wds")
+
+
+def batches(loader) -> list:
+    return [(images.numpy().tobytes(), labels.tolist()) for images, labels in loader]
+
+
+def test_stream_over_s3_within_a_cache_limit_below_the_dataset(s3_packs, local_packs, tmp_path):
+    shards = packer.read_manifest(local_packs / "wds")["files"]
+    biggest = max(f["bytes"] for f in shards if f["path"].endswith(".tar"))
+    total = sum(f["bytes"] for f in shards)
+    limit = 2 * biggest
+    assert limit < total
+    cache = tmp_path / "cache"
+    remote = packer.stream(s3_packs["wds"], 5, shuffle=False, num_workers=0, cache_dir=cache, cache_limit=limit)
+    local = packer.stream(local_packs / "wds", 5, shuffle=False, num_workers=0)
+    expected = batches(local)
+    assert batches(remote) == expected
+    assert Cache(cache).used() <= limit
+    assert batches(remote) == expected  # a second epoch, fetching again what was evicted
+    uncached = packer.stream(s3_packs["wds"], 5, shuffle=False, num_workers=0, cache_dir=tmp_path / "unused",
+                             cache=False)
+    assert batches(uncached) == expected
+    assert not (tmp_path / "unused").exists()
+    with pytest.raises(RemoteError, match="over cache_limit"):
+        packer.open_dataset(s3_packs["wds"], cache_dir=cache, cache_limit=limit)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------------------------
+def test_second_epoch_with_the_server_stopped(local_packs, tmp_path):
+    server = serve_files(local_packs)
+    ds = packer.open_dataset(f"{server.url}/wds", cache_dir=tmp_path / "cache", resize=24, center_crop=24)
+    loader = packer.make_loader(ds, batch_size=6, num_workers=2, shuffle=False)
+    first = [(images.clone(), labels.clone()) for images, labels in loader]
+    server.stop()
+    second = list(loader)  # worker processes open the cached files again: no network
+    assert len(second) == len(first) == 3
+    assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(first, second, strict=True))
+
+
+CHILD = """
+import hashlib, sys
+import packer
+ds = packer.open_dataset(sys.argv[1], cache_dir=sys.argv[2], decode=False, verify=True)
+print(hashlib.sha256(repr([ds.raw_sample(i) for i in range(len(ds))]).encode()).hexdigest())
+"""
+
+
+def test_two_processes_share_one_cache_and_fetch_each_file_once(local_packs, tmp_path):
+    server = serve_files(local_packs)
+    try:
+        url, cache = f"{server.url}/wds", tmp_path / "cache"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        procs = [subprocess.Popen([sys.executable, "-c", CHILD, url, str(cache)], stdout=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(2)]
+        outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]
+        ds = packer.open_dataset(local_packs / "wds", decode=False)
+        expected = digest([ds.raw_sample(i) for i in range(len(ds))])
+        assert outs == [expected, expected]
+        for entry in packer.read_manifest(local_packs / "wds")["files"]:
+            assert server.gets(f"/wds/{entry['path']}") == 1, entry["path"]
+    finally:
+        server.stop()
+
+
+def test_eviction_is_lru_and_skips_pinned_files(tmp_path):
+    cache = Cache(tmp_path / "cache", limit=250)
+    blobs = {n: bytes([n]) * 100 for n in range(4)}
+    shas = {n: hashlib.sha256(b).hexdigest() for n, b in blobs.items()}
+
+    def get(n):
+        return cache.obtain(shas[n], 100, lambda path: path.write_bytes(blobs[n]))
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x" * 1000)
+    pinned = get(0)  # held: never evicted
+    get(1).release()
+    get(2).release()  # evicts 1, the oldest not held
+    assert cache.pin(shas[1]) is None and pinned.path.read_bytes() == blobs[0]
+    get(3).release()  # evicts 2
+    assert cache.pin(shas[2]) is None and cache.pin(shas[0]) is not None
+    assert cache.used() <= 250 and outside.read_bytes() == b"x" * 1000
+    with pytest.raises(RemoteError, match="cannot fit"):
+        Cache(tmp_path / "cache", limit=150).obtain("f" * 64, 100, lambda path: None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Faults
+# --------------------------------------------------------------------------------------------------------------
+def test_damaged_object_is_named_and_never_read(local_packs, tmp_path, run_packer):
+    served = tmp_path / "served"
+    import shutil
+
+    shutil.copytree(local_packs / "hdf5", served / "hdf5")
+    data = served / "hdf5" / "data.h5"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    server = serve_files(served)
+    try:
+        url = f"{server.url}/hdf5"
+        with pytest.raises(RemoteError, match=f"{url}/data.h5: has a sha256 that differs"):
+            packer.open_dataset(url, cache_dir=tmp_path / "cache")
+        assert server.gets("/hdf5/data.h5") == 2  # fetched once more, then refused
+        proc = run_packer("verify", url)
+        assert proc.returncode == 1
+        assert f"{url}/data.h5: has a sha256 that differs" in proc.stdout
+        sha = packer.read_manifest(local_packs / "hdf5")["files"][0]["sha256"]
+        assert not Cache(tmp_path / "cache").object_path(sha).exists()
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_a_timeout_is_retried(local_packs, tmp_path):
+    import aiohttp
+
+    server = serve_files(local_packs)
+    proxy = fault_proxy(server.url)
+    try:
+        proxy.faults.append("stall")
+        options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=0.5)}}
+        ds = packer.open_dataset(f"{proxy.url}/hdf5", storage_options=options, cache_dir=tmp_path, decode=False)
+        assert not proxy.faults and proxy.gets("/hdf5/manifest.json") == 2  # the first GET timed out
+        local = packer.open_dataset(local_packs / "hdf5", decode=False)
+        assert [ds.raw_sample(i) for i in range(len(ds))] == [local.raw_sample(i) for i in range(len(local))]
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+def test_stream_over_http_in_worker_processes(http_packs, local_packs, tmp_path):
+    remote = packer.stream(f"{http_packs.url}/wds", 4, num_workers=2, seed=1, cache_dir=tmp_path)
+    assert batches(remote) == batches(packer.stream(local_packs / "wds", 4, num_workers=2, seed=1))
+
+
+def test_retries_recover_from_500s_resets_and_short_bodies(local_packs, tmp_path):
+    server = serve_files(local_packs)
+    proxy = fault_proxy(server.url)
+    try:
+        proxy.faults.extend(["500", "reset", "truncate", "500", "truncate"])
+        url = f"{proxy.url}/lmdb"
+        assert stored_samples(url) == stored_samples(local_packs / "lmdb")
+        assert not proxy.faults
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------------------
+def test_upload_refuses_an_existing_dataset_and_resume_resends_only_what_differs(s3, s3_packs, remote_src,
+                                                                                 monkeypatch):
+    import s3fs
+
+    with pytest.raises(DestinationError, match="already holds a packed dataset; pass --overwrite"):
+        packer.pack(remote_src, s3_packs["hdf5"], "hdf5", progress=False, workers=1)
+    url = "s3://bucket/up/wds"
+    packer.pack(remote_src, url, "wds", progress=False, workers=1, **PACK["wds"])
+    fs = s3fs.S3FileSystem(endpoint_url=s3.url, skip_instance_cache=True)
+    fs.rm_file("bucket/up/wds/shard-000002.tar")  # an upload interrupted before this shard
+    proxy = fault_proxy(s3.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        packer.pack(remote_src, url, "wds", progress=False, workers=1, resume=True, **PACK["wds"])
+    finally:
+        proxy.stop()
+    puts = sorted(path for (method, path), n in proxy.requests.items() for _ in range(n) if method == "PUT")
+    assert puts == ["/bucket/up/wds/manifest.json", "/bucket/up/wds/shard-000002.tar"]
+    assert stored_samples(url) == stored_samples(s3_packs["wds"])
+    fs.pipe_file("bucket/up/wds/notes.txt", b"mine")
+    packer.pack(remote_src, url, "wds", progress=False, workers=1, overwrite=True, shard_samples=9)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find("bucket/up/wds")) == [
+        "manifest.json", "notes.txt", "shard-000000.tar", "shard-000001.tar", "wds_index.npy"]  # 4 shards fewer
+    assert stored_samples(url) == stored_samples(s3_packs["wds"])
+
+
+def test_missing_bucket_and_missing_credentials_say_what_to_set(s3, remote_src, run_packer, tmp_path):
+    proc = run_packer("info", "s3://no-such-bucket/ds")
+    assert_one_line_error(proc, "s3://no-such-bucket/ds", code=2)
+    env = {k: os.environ.pop(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    try:
+        proc = run_packer("info", "s3://bucket/packs/wds", cwd=tmp_path)
+    finally:
+        os.environ.update(env)
+    message = assert_one_line_error(proc, "s3://bucket/packs/wds", code=2)
+    assert "AWS_ACCESS_KEY_ID" in message
+
+
+def test_bench_a_url_counts_what_each_epoch_fetches(http_packs, local_packs, run_packer):
+    url = f"{http_packs.url}/hdf5"
+    proc = run_packer("bench", url, "--batch-size", "6", "--read-resize", "24", "--read-crop", "24")
+    assert_ok(proc)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "samples/s" not in line}
+    manifest = (local_packs / "hdf5" / "manifest.json").stat().st_size
+    data = sum(f["bytes"] for f in packer.read_manifest(local_packs / "hdf5")["files"])
+    assert rows["cold (empty cache)"][2:] == [f"{manifest + data:,}", "2"]  # the manifest, then data.h5
+    assert rows["warm (second epoch)"][2:] == ["0", "0"]
+    assert rows["local files, page cache dropped"][2:] == rows["local files, second epoch"][2:] == ["0", "0"]
+
+
+def test_torchrun_pack_to_s3_each_rank_uploads_its_part(s3, remote_src, local_packs):
+    from test_distributed_pack import torchrun
+
+    url = "s3://bucket/dist/wds"
+    result = torchrun("pack", remote_src, url, "--format", "wds", "--shard-samples", "4", "--quiet", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    manifest = packer.read_manifest(url)
+    assert [p["path"] for p in manifest["parts"]] == ["part-00000", "part-00001"]
+    assert stored_samples(url) == stored_samples(local_packs / "wds")
+    import s3fs
+
+    listed = s3fs.S3FileSystem(endpoint_url=s3.url, skip_instance_cache=True).find("bucket/dist/wds")
+    assert sorted(p.removeprefix("bucket/dist/wds/") for p in listed) == sorted(
+        ["manifest.json", *(f["path"] for f in manifest["files"])])  # the ranks' "uploaded" notes are gone
