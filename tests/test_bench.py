@@ -16,7 +16,7 @@ from conftest import write_image
 
 import packer
 from packer import bench
-from packer.formats.base import decode_stored
+from packer.bench.limits import decode_like_reader
 
 FORMATS = ("lmdb", "hdf5", "wds")
 STORES = ("original", "jpeg 32/24", "raw 32/24")
@@ -286,5 +286,5 @@ def test_decode_ceiling_decodes_as_the_reader_does(tiny_folder, tmp_path):
     ds = packer.open_dataset(dest, center_crop=24)
     for i in (0, 5, 23):
         payload, _ = ds.raw_sample(i)
-        out = decode_stored(ds, payload, i, out=np.empty((24, 24, 3), np.uint8))
+        out = decode_like_reader(ds, payload, i, np.empty((24, 24, 3), np.uint8))
         assert np.array_equal(out, ds[i][0].permute(1, 2, 0).numpy())

@@ -1,4 +1,5 @@
-"""Project metadata agrees with itself: environment.yml and pyproject.toml list the same dependencies.
+"""Project metadata agrees with itself (environment.yml and pyproject.toml list the same dependencies), and the
+package keeps its structure: no import cycle, no module over 600 lines, no format name compared outside formats/.
 
 Lint is not run here: CI (.ci/run) runs ``ruff check .`` before the tests."""
 
@@ -185,3 +186,27 @@ def test_the_import_walk_sees_imports_inside_functions():
 
 def test_no_import_cycle():
     assert import_cycles(module_imports()) == []
+
+
+def test_no_module_over_600_lines():
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "packer").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert long == {}
+
+
+def test_no_branching_on_a_format_name_outside_the_formats_package():
+    """Comparisons with a format's name (``fmt == "wds"``, ``in ("lmdb", "hdf5")``) belong in that format's module:
+    elsewhere a new format would need edits all over the code."""
+    names = {"lmdb", "hdf5", "wds"}
+    found = []
+    for path in (REPO / "packer").rglob("*.py"):
+        if "formats" in path.relative_to(REPO).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(v, ast.Constant) and v.value in names for v in values):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == []
