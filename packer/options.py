@@ -58,26 +58,16 @@ def floats(text: str) -> tuple[float, ...]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
 
 
-class ImageSize(click.ParamType):
-    """N or WxH, checked by :func:`parse_size`, so that a bad value names its option."""
+class Parsed(click.ParamType):
+    """A value checked by ``parse`` (``parse_size``: N or WxH; ``parse_bytes``: 256MB), so that a bad value is
+    an error naming its option."""
 
-    name = "size"
-
-    def convert(self, value, param, ctx):
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-class ByteSize(click.ParamType):
-    """A positive number of bytes such as 256MB."""
-
-    name = "bytes"
+    def __init__(self, name: str, parse: Callable[[Any], Any]) -> None:
+        self.name, self.parse = name, parse
 
     def convert(self, value, param, ctx):
         try:
-            return parse_bytes(value)
+            return self.parse(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -115,10 +105,10 @@ class PackOptions:
         None, "original: the file's bytes (default without resize/crop); jpeg: re-encode (default when resizing); "
               "png: lossless; raw: decoded uint8 pixels, the fastest to load.", cli=dict(type=click.Choice(STORES)))
     resize: int | str | tuple[int, int] | None = option(
-        None, "N: shorter side to N (aspect kept); WxH: exact size.", cli=dict(type=ImageSize()))
+        None, "N: shorter side to N (aspect kept); WxH: exact size.", cli=dict(type=Parsed("size", parse_size)))
     max_size: int | None = option(None, "Cap the longer side at N; never upscales.", cli=dict(type=click.IntRange(1)))
     center_crop: int | str | tuple[int, int] | None = option(
-        None, "N or WxH: crop the centre after the resize.", cli=dict(type=ImageSize()))
+        None, "N or WxH: crop the centre after the resize.", cli=dict(type=Parsed("size", parse_size)))
     interpolation: str = option("bilinear", "Resampling filter of the resize.",
                                 cli=dict(type=click.Choice(list(INTERPOLATIONS)), show_default=True))
     quality: int = option(90, "JPEG quality.", cli=dict(type=click.IntRange(1, 100), show_default=True))
@@ -140,7 +130,7 @@ class PackOptions:
                                   cli=dict(decls=("--shuffle/--no-shuffle",)))
     seed: int = option(0, "Seed of the shuffle.", cli=dict(type=int, show_default=True))
     shard_size: int | None = option(None, "WebDataset: bytes per shard at most, e.g. 256MB.",
-                                    cli=dict(type=ByteSize()))
+                                    cli=dict(type=Parsed("bytes", parse_bytes)))
     shard_samples: int | None = option(None, "WebDataset: samples per shard.", cli=dict(type=click.IntRange(1)))
     strict: bool = option(False, "Stop at the first unreadable image instead of skipping it.", cli=dict(is_flag=True))
     overwrite: bool = option(False, "Replace an existing packer dataset at DEST.", cli=dict(is_flag=True))
