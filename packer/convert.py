@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .dest import is_regular_file
-from .distributed import detect, pack_distributed
+from .distributed import detect, early_rank, pack_distributed
 from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_dest
 from .errors import DestinationError, NothingPackedError, UsageError
 from .journal import differences, discard, finish, open_journal
@@ -68,8 +68,11 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
         raise UsageError(f"{dest}: storage_options and cache_dir are for a URL destination (s3://, gs://); "
                          "a folder needs neither")
     dest = Path(dest)
-    if not opts.resume or not is_regular_file(dest / MANIFEST):
-        check_free(dest)  # before the scan of a large source: a second writer fails at once
+    if early_rank(opts.distributed) == 0 and not (opts.resume and is_regular_file(dest / MANIFEST)):
+        # before the scan of a large source: a second writer fails at once. Rank 0 only: under torchrun it locks
+        # DEST for every rank, and in a process group that already exists (pack to a URL) it may hold the lock
+        # by the time another rank gets here.
+        check_free(dest)
     context = detect(opts.distributed)
     if opts.resume and is_regular_file(dest / MANIFEST):
         try:

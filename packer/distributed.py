@@ -195,6 +195,22 @@ class Context:
             self.owns_group = False
 
 
+def early_rank(distributed: bool | None = None) -> int:
+    """This process's rank as far as it is known before any rendezvous: an initialised process group's, else
+    torchrun's ``RANK``, else 0 (also with ``distributed=False``)."""
+    if distributed is False:
+        return 0
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def detect(distributed: bool | None = None) -> Context | None:
     """The distributed context when this process is one rank of several (torchrun's ``WORLD_SIZE`` > 1, or an
     initialised process group of more than one rank), initialising a gloo group if none exists; else None.

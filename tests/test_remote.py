@@ -17,7 +17,7 @@ from test_cli import assert_ok, assert_one_line_error
 
 import packer
 import packer.remote
-from packer.errors import DestinationError, RemoteError, UrlError
+from packer.errors import DestinationError, RemoteError, UrlError, UsageError
 from packer.remote.cache import Cache
 from packer.verify import verify
 
@@ -314,6 +314,20 @@ def test_upload_refuses_an_existing_dataset_and_resume_resends_only_what_differs
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find("bucket/up/wds")) == [
         "manifest.json", "notes.txt", "shard-000000.tar", "shard-000001.tar", "wds_index.npy"]  # 4 shards fewer
     assert stored_samples(url) == stored_samples(s3_packs["wds"])
+
+
+def test_pack_storage_options_reach_the_filesystem_and_are_refused_for_a_folder(s3, s3_packs, remote_src, tmp_path):
+    proxy = fault_proxy(s3.url)  # AWS_ENDPOINT_URL still names the server: only storage_options lead here
+    try:
+        packer.pack(remote_src, "s3://bucket/opts/lmdb", "lmdb", progress=False, workers=1,
+                    storage_options={"endpoint_url": proxy.url}, cache_dir=tmp_path / "cache")
+    finally:
+        proxy.stop()
+    assert ("PUT", "/bucket/opts/lmdb/manifest.json") in proxy.requests
+    assert stored_samples("s3://bucket/opts/lmdb") == stored_samples(s3_packs["lmdb"])
+    with pytest.raises(UsageError, match="storage_options and cache_dir are for a URL destination"):
+        packer.pack(remote_src, tmp_path / "local", "lmdb", progress=False, storage_options={"anon": True})
+    assert not (tmp_path / "local").exists()
 
 
 def test_missing_bucket_and_missing_credentials_say_what_to_set(s3, remote_src, run_packer, tmp_path):
