@@ -9,6 +9,7 @@ for worker processes.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +152,9 @@ class PackedDataset(Decoding, Dataset):
         return image, label
 
     def _parallel(self, fn: Callable, items: list, threads: int) -> None:
-        """Run ``fn`` over ``items``, on ``threads`` decode threads of this process when there are several."""
+        """Run ``fn`` over ``items`` on ``threads`` threads: this one and ``threads - 1`` of a pool this process
+        keeps. Each thread takes the next item until none is left: one task per thread rather than a future per
+        item, and the calling thread (the loader's prefetch thread) decodes instead of waiting."""
         if threads <= 1 or len(items) < 2:
             for item in items:
                 fn(item)
@@ -160,9 +163,21 @@ class PackedDataset(Decoding, Dataset):
             self._executors, self._executors_pid = {}, os.getpid()
         executor = self._executors.get(threads)
         if executor is None:
-            executor = self._executors[threads] = ThreadPoolExecutor(threads, thread_name_prefix="packer-decode")
-        for _ in executor.map(fn, items):
-            pass
+            executor = self._executors[threads] = ThreadPoolExecutor(threads - 1, thread_name_prefix="packer-decode")
+        taken = itertools.count()  # its next() is one C call under the GIL: every item goes to exactly one thread
+
+        def drain() -> None:
+            for k in taken:
+                if k >= len(items):
+                    return
+                fn(items[k])
+
+        helpers = [executor.submit(drain) for _ in range(min(threads, len(items)) - 1)]
+        try:
+            drain()
+        finally:
+            for helper in helpers:
+                helper.result()  # waits for every thread; re-raises the first error a helper met
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         if not self.decode:

@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import packer
@@ -472,3 +473,20 @@ def test_info_on_hand_edited_manifest(change, packed, tmp_path):
     assert r.exit_code == 1, (r.exit_code, r.stdout, r.stderr)
     assert r.stderr.startswith("packer: error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "manifest.json" in r.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_damaged_sample_in_a_threaded_batch_raises_and_the_next_batch_reads(packed, tmp_path, threads):
+    """A batch decoded on several threads raises the damaged sample's error, as one thread does, once every
+    thread has stopped; the dataset then reads the following batches correctly."""
+    dest = tmp_path / "ds"
+    shutil.copytree(packed("hdf5"), dest)
+    ref = stored(dest)
+    hdf5_payload(dest, ref)
+    ds = packer.open_dataset(dest, verify=True, threads=threads, resize=32, center_crop=32)
+    with pytest.raises(CorruptDataError, match=rf"data\.h5.*sample {K}\b"):
+        ds.read_batch(list(range(len(ds))))
+    intact = [i for i in range(len(ds)) if i != K]
+    batch = ds.read_batch(intact)
+    reference = packer.open_dataset(packed("hdf5"), resize=32, center_crop=32)
+    assert torch.equal(batch.images, reference.read_batch(intact).images)
