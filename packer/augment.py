@@ -25,7 +25,7 @@ import simplejpeg
 from PIL import Image
 
 from .resample import resample
-from .transforms import INTERPOLATIONS, Size, as_hwc, output_size, to_pil
+from .transforms import INTERPOLATIONS, as_hwc, to_pil
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -204,25 +204,6 @@ def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int],
     arr = scaled_jpeg(payload, mode, full, -(-h * size[0] * MARGIN // window.height),
                       -(-w * size[1] * MARGIN // window.width))
     return resized_window(arr, full, window, size, interpolation, out)
-
-
-def scaled_resize_crop(payload: bytes | memoryview, mode: str, full: tuple[int, int], resize: int | Size | None,
-                       crop: Size | None, interpolation: str) -> Image.Image | None:
-    """The read-time resize and centre crop of :func:`packer.transforms.resize_crop` on a JPEG decoded at the
-    smallest DCT scale that is at least ``MARGIN`` times the resized size, resampled by Pillow; None when the
-    crop pads or the image is under twice the resized size (the default path does those, so an image that does
-    not decode scaled keeps the default's pixels)."""
-    h, w = full
-    rw, rh = output_size(w, h, resize, None)
-    if (crop and (crop[0] > rw or crop[1] > rh)) or dct_factor(full, rh * MARGIN, rw * MARGIN) == 1:
-        return None
-    cw, ch = crop or (rw, rh)
-    left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
-    arr = scaled_jpeg(payload, mode, full, rh * MARGIN, rw * MARGIN)
-    sx, sy = w / rw, h / rh
-    # Pillow, not OpenCV: measured against decoder="pil" at resize=64, center_crop=56 (sample_data, 150 photos),
-    # OpenCV's kernel here gave a worst 31.7 dB and median 41.2 dB against Pillow's 32.3 and 44.1
-    return resample_box(arr, full, (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), interpolation)
 
 
 def write_image(img: Image.Image | np.ndarray, flipped: bool, out: np.ndarray | None) -> np.ndarray:

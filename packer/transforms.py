@@ -196,20 +196,32 @@ def apply_geometry(img: Image.Image, resize: int | Size | None = None, max_size:
     return img
 
 
+def center_box(full: tuple[int, int], resize: int | Size | None, crop: Size | None
+               ) -> tuple[tuple[float, float, float, float], tuple[int, int], tuple[int, int]] | None:
+    """What :func:`resize_crop` keeps of a ``full`` (height, width) image: the region (left,
+    top, right, bottom, in its pixels), the output (height, width) and the resized (height, width) before the
+    crop; None when the crop pads."""
+    h, w = full
+    rw, rh = output_size(w, h, resize, None)
+    if crop and (crop[0] > rw or crop[1] > rh):
+        return None
+    cw, ch = crop or (rw, rh)
+    left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
+    sx, sy = w / rw, h / rh
+    return (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), (rh, rw)
+
+
 def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
                 interpolation: str = "bilinear") -> Image.Image:
     """Resize then centre-crop, fused: only the region that survives the crop is resampled, about twice as fast
     as :func:`apply_geometry`. Rounding in the resampling can make a pixel differ from it by one level, so the
     converter and ``decoder="pil"`` use :func:`apply_geometry`; every packed reader and FolderDataset use this
     one by default, so they agree with each other exactly."""
-    w, h = img.size
-    rw, rh = output_size(w, h, resize, None)
-    if not crop or crop[0] > rw or crop[1] > rh:
+    region = center_box((img.height, img.width), resize, crop)
+    if not crop or region is None:
         return apply_geometry(img, resize, None, crop, interpolation)
-    left, top = int(round((rw - crop[0]) / 2.0)), int(round((rh - crop[1]) / 2.0))
-    sx, sy = w / rw, h / rh
-    box = (left * sx, top * sy, (left + crop[0]) * sx, (top + crop[1]) * sy)
-    return img.resize(crop, INTERPOLATIONS[interpolation], box=box)
+    box, (height, width), _ = region
+    return img.resize((width, height), INTERPOLATIONS[interpolation], box=box)
 
 
 # Pillow's bomb check reads the process-wide Image.MAX_IMAGE_PIXELS; it is lifted only around the header parse,

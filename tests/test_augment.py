@@ -330,6 +330,8 @@ def test_bad_arguments_are_refused(pack):
 
 @pytest.mark.parametrize(("resize", "crop", "some_scaled"), [(64, 56, True), (100, None, True), (300, 224, False)])
 def test_fast_decoder_is_close_to_the_default(pack, resize, crop, some_scaled):
+    """decoder="fast" (DCT-scaled JPEG decodes where the image is over twice the resized size, OpenCV's resampler
+    for every image) stays within 30 dB of the default (Pillow) on every image, scaled or not."""
     path = pack("hdf5", "original")
     default = packer.open_dataset(path, resize=resize, center_crop=crop)
     fast = packer.open_dataset(path, resize=resize, center_crop=crop, decoder="fast")
@@ -340,10 +342,7 @@ def test_fast_decoder_is_close_to_the_default(pack, resize, crop, some_scaled):
         assert psnr(hwc(a), hwc(b)) >= 30, default.relpath(i)
         with Image.open(io.BytesIO(default.raw_sample(i)[0])) as img:
             short = min(img.size)
-        if -(-short // 2) < 2 * resize:  # not decoded at a reduced scale: the default's pixels, exactly
-            assert torch.equal(a, b), default.relpath(i)
-        else:
-            scaled += 1
+        scaled += -(-short // 2) >= 2 * resize  # decoded at a reduced DCT scale
     assert (scaled > 0) == some_scaled  # the largest source is 900x700
     batch = fast.__getitems__([0, 4, 2])
     for (image, _), i in zip(batch, [0, 4, 2], strict=True):
