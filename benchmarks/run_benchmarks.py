@@ -67,14 +67,16 @@ def run(args: argparse.Namespace, command: str) -> dict:
     return run_bench(data, formats=args.formats.split(","), stores=[v[0] for v in VARIANTS], workers=worker_counts,
                      batch_size=args.batch_size, epochs=args.epochs, caches=args.cache.split(","),
                      repeats=args.repeats, read_resize=256, read_crop=224, out=args.out, keep=args.keep,
-                     disk_test_mb=args.disk_test_mb, progress=not args.quiet, command=command)
+                     disk_test_mb=args.disk_test_mb, progress=not args.quiet, command=command,
+                     pipelines=("val",))  # the training pipeline has its own README section (packer bench)
 
 
 # -- the README section ---------------------------------------------------------------------------------------------
 def _pick(rows: list[dict], cache: str, workers: int) -> dict[tuple[str, str], dict]:
     """One row per (dataset, store) for ``workers``: epoch 2 warm (steady state) or epoch 1 cold (the only
     epoch that reads from the disk)."""
-    chosen = [r for r in rows if r["cache"] == cache and r["workers"] == workers]
+    chosen = [r for r in rows if r["cache"] == cache and r["workers"] == workers
+              and r.get("pipeline", "val") == "val"]
     if not chosen:
         return {}
     epoch = 1 if cache == "cold" else max(r["epoch"] for r in chosen)
