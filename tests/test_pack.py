@@ -796,3 +796,19 @@ def test_source_is_never_modified(tricky_src, tmp_path, tree_snapshot):
     packer.pack(tricky_src, tmp_path / "out", "wds", store="raw", resize=20, progress=False)
     assert tree_snapshot(tricky_src) == before
     assert {p: os.stat(p).st_mtime_ns for p in tricky_src.rglob("*")} == stat_before
+
+
+def test_hdf5_relpaths_are_copied_in_pieces_without_losing_one(tmp_path):
+    """The HDF5 writer copies its temporary path list a megabyte at a time (so memory stays flat): a piece
+    boundary inside a path, on a NUL, or in a multi-byte character loses and splits nothing."""
+    from packer.formats.hdf5 import enumerate_path_chunks
+
+    paths = [f"cls{i % 3}/ñame_{i:05d}_é.jpg".encode() for i in range(500)]
+    file = tmp_path / "paths"
+    file.write_bytes(b"".join(p + b"\0" for p in paths))
+    for chunk_bytes in (1, 7, 29, 1 << 20):
+        got = []
+        for first, chunk in enumerate_path_chunks(file, chunk_bytes):
+            assert first == len(got)
+            got.extend(chunk)
+        assert got == paths
