@@ -241,6 +241,7 @@ class LmdbReader(Reader):
         self.txn = None
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
+        self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
 
     def __len__(self) -> int:
         return self._count
@@ -306,7 +307,7 @@ class LmdbReader(Reader):
         return self._get(index)[1]
 
     def describe(self, index: int) -> str:
-        return f"{self.root / 'data.mdb'} sample {index}"
+        return f"{self._data_name} sample {index}"
 
     def sample_file(self, index: int) -> str:
         return "data.mdb"
