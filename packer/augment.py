@@ -118,18 +118,6 @@ def crop_resize(img: Image.Image, window: Window, size: tuple[int, int], interpo
     return img
 
 
-def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
-    """(height, width) of a JPEG that simplejpeg decodes as Pillow would (YCbCr or grey), from its header;
-    None for anything else (CMYK and YCCK JPEGs, other formats, damaged headers), which Pillow decodes."""
-    if data[:2] != b"\xff\xd8":
-        return None
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return None
-    return (height, width) if colorspace in ("YCbCr", "Gray") else None
-
-
 def dct_factor(full: tuple[int, int], min_height: int, min_width: int) -> int:
     """The largest of 8, 4, 2 and 1 that divides a ``full`` (height, width) image into one of at least
     ``min_height`` x ``min_width`` (libjpeg-turbo rounds the scaled sides up)."""

@@ -19,7 +19,6 @@ from .augment import (
     Window,
     crop_resize,
     image_size,
-    jpeg_size,
     pil_window,
     resized_window,
     sample_window,
@@ -32,7 +31,18 @@ from .augment import (
 from .errors import CorruptDataError, ImageError
 from .formats.base import Reader, Sample
 from .resample import resample
-from .transforms import apply_geometry, as_hwc, as_pair, center_box, decode, open_image, parse_size, resize_crop, to_pil
+from .transforms import (
+    apply_geometry,
+    as_hwc,
+    as_pair,
+    center_box,
+    decode,
+    jpeg_size,
+    open_image,
+    parse_size,
+    resize_crop,
+    to_pil,
+)
 
 
 class Decoding:

@@ -281,24 +281,26 @@ def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
     return img
 
 
-def _jpeg_header(data: bytes | memoryview) -> tuple[int, int, str] | None:
-    """(height, width, colorspace) of a JPEG simplejpeg can read; None for anything else."""
+def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(height, width) of a JPEG that simplejpeg decodes as Pillow would (YCbCr or grey), from its header;
+    None for anything else (CMYK and YCCK JPEGs, other formats, damaged headers), which Pillow decodes."""
     if data[:2] != b"\xff\xd8":
         return None
     try:
-        return simplejpeg.decode_jpeg_header(data)[:3]
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
+    return (height, width) if colorspace in ("YCbCr", "Gray") else None
 
 
 def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
            max_pixels: int = DEFAULT_MAX_PIXELS, out: np.ndarray | None = None) -> np.ndarray:
     """Decode encoded image bytes to a uint8 (H, W, C) array, as ImageFolder's loader would. With ``out``
     (an array of the image's shape) the pixels are written there, JPEGs without an intermediate copy."""
-    header = _jpeg_header(data)  # parsed once (it was twice): ~3 us of a 224 px image's ~200 us decode
-    if header is not None and header[2] in ("YCbCr", "Gray"):
+    size = jpeg_size(data)  # the header parsed once: ~3 us of a 224 px image's ~200 us decode
+    if size is not None:
         try:
-            h, w = header[:2]
+            h, w = size
             _check_pixels(w, h, max_pixels, name)
             channels = 1 if mode == "L" else 3
             direct = out is not None and out.shape == (h, w, channels) and out.flags.c_contiguous

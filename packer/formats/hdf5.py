@@ -14,6 +14,7 @@ the final size (HDF5 cannot grow a dataset without chunking it, and chunks canno
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ FILENAME = "data.h5"
 COPY_BYTES = 64 << 20
 
 
-def enumerate_path_chunks(path: Path, chunk_bytes: int = 1 << 20) -> Any:
+def enumerate_path_chunks(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[tuple[int, list[bytes]]]:
     """``(first index, [relpath bytes, ...])`` pieces of a file of NUL-terminated paths, a megabyte at a time."""
     done, rest = 0, b""
     with open(path, "rb") as f:
@@ -72,20 +73,20 @@ class Hdf5Writer(Writer):
         shape = self.spec.fixed_shape
         path = self.dest / FILENAME
         # The temporary files are read in COPY_BYTES pieces, not memory-mapped or read whole: a map's pages count
-        # in the process's RSS (and a job's cgroup), so the peak grew with the dataset (133 MB at 3,000 images,
-        # 192 MB at 12,000); now it stays flat.
+        # in the process's RSS (and a job's cgroup), so the peak grew with the dataset (store original: 211 MB at
+        # 3,000 images, 1,283 MB at 24,000); now it stays flat (120 and 126 MB, benchmarks/pack_memory.py).
         with h5py.File(path, "w", libver="earliest") as f, open(self.blob_path, "rb") as blob:
             if self.spec.store == "raw" and shape:
                 dtype = np.dtype(self.spec.dtype)
                 images = f.create_dataset("images", (n, *shape), dtype=dtype)
-                step = max(1, COPY_BYTES // (int(np.prod(shape)) * dtype.itemsize))
+                per = int(np.prod(shape))  # values an image
+                step = max(1, COPY_BYTES // (per * dtype.itemsize))
                 for a in range(0, n, step):
                     b = min(n, a + step)
-                    images[a:b] = np.fromfile(blob, dtype=dtype, count=(b - a) * int(np.prod(shape))).reshape(
-                        b - a, *shape)
+                    images[a:b] = np.fromfile(blob, dtype=dtype, count=(b - a) * per).reshape(b - a, *shape)
             else:
-                images = f.create_dataset("images", (self.offsets[-1],), dtype=np.uint8)
                 total = self.offsets[-1]
+                images = f.create_dataset("images", (total,), dtype=np.uint8)
                 for a in range(0, total, COPY_BYTES):
                     images[a:min(total, a + COPY_BYTES)] = np.fromfile(blob, dtype=np.uint8,
                                                                        count=min(COPY_BYTES, total - a))
