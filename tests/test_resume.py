@@ -88,8 +88,12 @@ def run(cmd: list[str], dest: Path, stop: Callable[[Path], bool] | None = None, 
     logs = dest.parent / f".{dest.name}-{time.monotonic_ns()}"
     logs.mkdir(parents=True)
     with open(logs / "out", "w") as out, open(logs / "err", "w") as err:
+        # Ctrl-C with its default action, as in a terminal's foreground job: a shell that starts a non-interactive
+        # background job (how a CI runner may start this suite) hands it SIGINT ignored, which Python keeps.
+        # Only for SIGINT: preexec_fn is unsafe with threads, and the SIGKILL runs start from the fixture's.
+        default_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sig == signal.SIGINT else None
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **ENV, **(env or {})},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=default_sigint)
         stopped = False
         deadline = time.monotonic() + TIMEOUT
         while proc.poll() is None and time.monotonic() < deadline:
