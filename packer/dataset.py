@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
+from .buffers import BatchPool, empty_batch
 from .decoding import Decoding
 from .formats import PartedReader, Reader, open_reader
 from .formats.base import Sample
@@ -33,17 +34,6 @@ class PackedBatch(list):
 
     images: torch.Tensor
     labels: torch.Tensor
-
-
-def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
-    """A tensor for a whole batch. In a DataLoader worker it is allocated in shared memory, so sending it to the
-    main process copies nothing (as ``default_collate`` does); in the main process it can be pinned, so the
-    copy to the GPU needs no staging copy."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    numel = int(np.prod(shape))
-    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 _DECODING_ARGS = set(inspect.signature(Decoding.__init__).parameters) - {"self", "reader"}
@@ -113,6 +103,7 @@ class PackedDataset(Decoding, Dataset):
         self.threads = threads
         self._executors: dict[int, ThreadPoolExecutor] = {}  # by thread count, this process's
         self._executors_pid: int | None = None
+        self._batches = BatchPool()  # main-process batch arrays, reused once nothing refers to them
 
     @property
     def format(self) -> str:
@@ -139,6 +130,7 @@ class PackedDataset(Decoding, Dataset):
         state = self.__dict__.copy()
         state["_executors"] = {}
         state["_executors_pid"] = None
+        state["_batches"] = BatchPool()
         return state
 
     def _verified(self, index: int, sample: Sample) -> Sample:
@@ -202,7 +194,8 @@ class PackedDataset(Decoding, Dataset):
             indices: sample indices (an ``EpochIndex`` carries the epoch its augmentation uses).
             threads: decode threads (default: the dataset's ``threads``).
             pin_memory: allocate the batch in pinned memory (in the main process), so that the copy to the GPU
-                needs no staging copy.
+                needs no staging copy. Without it, the main process's batches come from this dataset's
+                :class:`~packer.buffers.BatchPool`: memory is reused only once no tensor refers to it.
 
         Returns:
             A :class:`PackedBatch` whose images are CHW views of the batch tensor; a list of ``(image, label)``
@@ -231,7 +224,7 @@ class PackedDataset(Decoding, Dataset):
             return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
                     for arr, s in zip(arrays, samples, strict=True)]
         dtype = {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
-        batch = empty_batch((len(indices), *shape), dtype, pin_memory)
+        batch = empty_batch((len(indices), *shape), dtype, pin_memory, self._batches)
         out = batch.numpy()
         labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
         if labels is None:

@@ -483,3 +483,28 @@ def test_breaking_out_of_an_epoch_then_exiting_does_not_abort(pack):
         result = subprocess.run([sys.executable, "-c", BREAK_AND_EXIT, str(dest)], capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_batches_a_caller_keeps_are_never_overwritten_and_released_ones_are_reused(pack):
+    """The in-process loader reuses a batch's memory only once nothing refers to it: batches kept across a
+    whole epoch (and one image kept from a dropped batch) keep their pixels; a batch dropped entirely gives its
+    memory to a later one."""
+    ds = packer.open_dataset(pack("lmdb", "jpeg_fixed"))
+    loader = packer.make_loader(ds, BATCH, shuffle=False, tuned=False)
+    expected = [ds.read_batch(list(range(a, min(len(ds), a + BATCH)))).images.clone()
+                for a in range(0, len(ds), BATCH)]
+    kept = [images for images, _ in loader]
+    one_image = kept[1][3]
+    del kept[1]
+    for _ in range(2):
+        for images, _ in loader:  # later epochs, their batches dropped as they come
+            pass
+    assert len({images.data_ptr() for images in kept}) == len(kept)
+    for k, images in enumerate(kept):
+        assert torch.equal(images, expected[k if k < 1 else k + 1])
+    assert torch.equal(one_image, expected[1][3])
+
+    first = ds.read_batch(list(range(BATCH)))
+    address = first.images.data_ptr()
+    del first
+    assert ds.read_batch(list(range(BATCH, 2 * BATCH))).images.data_ptr() == address

@@ -1,0 +1,90 @@
+"""The memory a batch is decoded into.
+
+A 64 x 224 x 224 x 3 batch is 9.6 MB. Allocated afresh for every batch, glibc maps it from the kernel and gives
+it back on free, so each batch pays about 2,400 page faults and the kernel zeroes every page before the decode
+threads write it: measured here, 8-30 us an image, 4-15% of a 224 px JPEG's decode. :class:`BatchPool` keeps
+the arrays and hands one out again only once nothing refers to it any more, so reuse never changes a batch
+that a caller still holds: a training loop that keeps batches (a list of them, a tensor saved for later) keeps
+them intact, and the pool makes new ones meanwhile.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+_NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32}
+
+
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False,
+                pool: BatchPool | None = None) -> torch.Tensor:
+    """A tensor for a whole batch. In a DataLoader worker it is allocated in shared memory, so sending it to the
+    main process copies nothing (as ``default_collate`` does); in the main process it can be pinned, so the
+    copy to the GPU needs no staging copy (torch's pinned-memory allocator reuses its own blocks), or else
+    comes from ``pool``."""
+    if get_worker_info() is not None:
+        numel = int(np.prod(shape))
+        storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+    if pin_memory or pool is None or dtype not in _NUMPY_DTYPES:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    return pool.take(shape, dtype)
+
+
+class BatchPool:
+    """Batch arrays of one process, reused once unreferenced.
+
+    A tensor made by ``torch.from_numpy(array)`` holds one reference to ``array`` for as long as its storage
+    lives, and every view of it (the CHW permute, each image of the batch, a slice) shares that storage. So an
+    array whose reference count is back to the pool's own is referred to by no tensor anywhere, and can be
+    written again. At most ``keep`` arrays are kept; past that, batches are allocated and freed as before.
+
+    Args:
+        keep: arrays kept for reuse: enough for the batches a loader holds at once (those prefetched, the one
+            being filled and the caller's).
+    """
+
+    # the pool's list, the loop variable and getrefcount's own argument: the count of an array no tensor holds
+    _UNREFERENCED = 3
+
+    def __init__(self, keep: int = 12):
+        self.keep = keep
+        self._arrays: list[np.ndarray] = []
+        self._lock = threading.Lock()  # two loaders over one dataset take batches from two threads
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` and ``dtype`` (uint8, float16 or float32) that no one else holds.
+
+        Args:
+            shape: the batch's shape.
+            dtype: the torch dtype.
+
+        Returns:
+            A CPU tensor over a reused array, or over a new one.
+        """
+        np_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+        shape = tuple(shape)
+        with self._lock:
+            for array in self._arrays:
+                if sys.getrefcount(array) == self._UNREFERENCED and array.shape == shape and array.dtype == np_dtype:
+                    return torch.from_numpy(array)
+            array = np.empty(shape, np_dtype)
+            if len(self._arrays) >= self.keep:
+                self._drop_one_free()
+            if len(self._arrays) < self.keep:
+                self._arrays.append(array)
+            return torch.from_numpy(array)
+
+    def _drop_one_free(self) -> None:
+        """Forget one unreferenced array (one of another shape: the last batch of an epoch, a new batch size)."""
+        for k in range(len(self._arrays)):
+            if sys.getrefcount(self._arrays[k]) == self._UNREFERENCED - 1:  # no loop variable holds it here
+                del self._arrays[k]
+                return
+
+    def __len__(self) -> int:
+        return len(self._arrays)
