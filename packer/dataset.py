@@ -229,8 +229,9 @@ class PackedDataset(Decoding, Dataset):
         labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
         if labels is None:
             samples = reader.read_many(indices)
-            fill = lambda j: self.decode_array(indices[j], self._verified(indices[j], samples[j]),  # noqa: E731
-                                               out[j], epochs[j])
+            decode_row = self.row_decoder()
+            fill = lambda j: decode_row(indices[j], self._verified(indices[j], samples[j]), out[j],  # noqa: E731
+                                        epochs[j])
             self._parallel(fill, list(range(len(indices))), decode_threads)
             labels = [s.label for s in samples]
         images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy

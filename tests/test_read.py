@@ -241,6 +241,8 @@ BATCH_CASES = {
     "original-crop": ("original", {"resize": 72, "center_crop": 64}, (64, 64, 3)),
     "original-crop-rect": ("original", {"center_crop": "120x100"}, (100, 120, 3)),
     "jpeg_fixed": ("jpeg_fixed", {}, (112, 112, 3)),
+    "jpeg_fixed-crop": ("jpeg_fixed", {"center_crop": 96}, (96, 96, 3)),
+    "jpeg_fixed-same-resize-crop": ("jpeg_fixed", {"resize": 112, "center_crop": "100x90"}, (90, 100, 3)),
     "original": ("original", {}, None),
     "png": ("png", {}, None),
     "raw_var": ("raw_var", {}, None),
@@ -266,6 +268,27 @@ def test_getitems_equals_getitem(pack, fmt, case, threads):
         assert torch.equal(batch.images, torch.stack([image for image, _ in items]))
         assert batch.labels.dtype == torch.int64
         assert batch.labels.tolist() == [label for _, label in items]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("crop", [None, (96, 96), (100, 90), (111, 112)])
+def test_read_time_crop_of_a_stored_jpeg_is_pillows_decode_cropped(pack, fmt, crop):
+    """A JPEG stored at the output size, or at the read-time resize with a centre crop left to do, reads as
+    Pillow decodes the stored bytes, cropped as torchvision's CenterCrop does (top = round((h - ch) / 2)):
+    exactly, in a batch as one by one."""
+    kwargs = {"resize": 112, "center_crop": f"{crop[0]}x{crop[1]}"} if crop else {}
+    ds = CLASSES[fmt](pack(fmt, "jpeg_fixed"), threads=2, **kwargs)
+    batch = ds.__getitems__(list(INDICES))
+    for (image, label), i in zip(batch, INDICES, strict=True):
+        payload, stored_label = ds.raw_sample(i)
+        pixels = np.asarray(Image.open(io.BytesIO(payload)).convert("RGB"))
+        if crop:
+            width, height = crop
+            top, left = round((pixels.shape[0] - height) / 2), round((pixels.shape[1] - width) / 2)
+            pixels = pixels[top:top + height, left:left + width]
+        assert label == stored_label
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), pixels)
+        assert torch.equal(ds[i][0], image)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

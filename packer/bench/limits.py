@@ -71,20 +71,27 @@ def _pool_init(state: dict[str, Any]) -> None:
     _POOL.update(state)
     shape = state["dataset"].output_shape()
     _POOL["out"] = None if shape is None else np.empty(shape, np.uint8)  # one batch row, reused as a batch is
+    _POOL["decode_row"] = state["dataset"].row_decoder()
 
 
-def decode_like_reader(dataset: Any, payload: Any, index: int, out: np.ndarray | None) -> np.ndarray:
+def decode_like_reader(dataset: Any, payload: Any, index: int, out: np.ndarray | None,
+                       decode_row: Any = None) -> np.ndarray:
     """What a reader does to one stored sample at read time (decode, resize/crop, write into its batch row),
-    through the dataset's own decode path (:meth:`packer.decoding.Decoding.decode_array`), with no read: the one
-    place the benchmark calls it. ``payload`` is what ``raw_sample`` returns: encoded bytes, or the raw array."""
+    through the dataset's own decode path, with no read: the one place the benchmark calls it. With ``out``
+    that is what a batch read runs per row, :meth:`~packer.decoding.Decoding.row_decoder` (pass one in
+    ``decode_row`` to make it once); without, :meth:`~packer.decoding.Decoding.decode_array`. ``payload`` is
+    what ``raw_sample`` returns: encoded bytes, or the raw array."""
     shape = payload.shape if isinstance(payload, np.ndarray) else (0, 0, 0)
-    return dataset.decode_array(index, Sample(payload, 0, shape, None), out, dataset.epoch)
+    sample = Sample(payload, 0, shape, None)
+    if out is None:
+        return dataset.decode_array(index, sample, None, dataset.epoch)
+    return (decode_row or dataset.row_decoder())(index, sample, out, dataset.epoch)
 
 
 def _decode_range(bounds: tuple[int, int]) -> int:
     lo, hi = bounds
     for index in range(lo, hi):
-        decode_like_reader(_POOL["dataset"], _POOL["payloads"][index], index, _POOL["out"])
+        decode_like_reader(_POOL["dataset"], _POOL["payloads"][index], index, _POOL["out"], _POOL["decode_row"])
     return hi - lo
 
 
