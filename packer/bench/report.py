@@ -70,9 +70,9 @@ def limits_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"disk sequential read: {disk['mb_per_s']:.0f} MB/s over {disk['file_mb']:.0f} MB{evicted}")
     for key, entry in limits.get("decode", {}).items():
         if entry.get("samples_per_s"):
-            store, decoder, _, _ = key.split("|")
-            lines.append(f"{entry['kind']} ceiling, {store} ({decoder} decoder): {entry['samples_per_s']:.0f} "
-                         f"samples/s with {limits['processes']} processes")
+            dataset, store, decoder, _, _ = key.split("|")
+            lines.append(f"{entry['kind']} ceiling, {dataset} {store} ({decoder} decoder): "
+                         f"{entry['samples_per_s']:.0f} samples/s with {limits['processes']} processes")
     return lines
 
 

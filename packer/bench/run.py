@@ -18,7 +18,7 @@ from .. import __version__
 from ..errors import PackerError, UsageError
 from ..system import usable_cores
 from ..transforms import parse_size
-from .limits import add_ceilings, measure_limits
+from .limits import add_ceilings, add_decode_ceiling, measure_limits
 from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
@@ -132,7 +132,7 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     train = {"read_resize": settings["read_resize"], "read_crop": settings["read_crop"]}
     everything = [replace(t, pipeline=p, **(train if p == "train" else {}))
                   for p in settings["pipelines"] for t in [folder, *targets]]
-    limit_info = measure_limits(everything, work, settings) if limits else {}
+    limit_info = measure_limits(work, settings) if limits else {}
     per_sample = len(settings["workers"]) * len(settings["caches"]) * settings["repeats"] * settings["epochs"]
     bar = tqdm(total=sum(t.count for t in everything) * per_sample, unit="img", desc="reading",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -140,6 +140,8 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     try:
         for target in everything:
             bar.set_postfix_str(f"{target.dataset} {target.store}")
+            if limit_info:
+                add_decode_ceiling(limit_info, target, settings["repeats"])
             rows += measure(target, settings, expected, bar)
     finally:
         bar.close()
