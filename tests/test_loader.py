@@ -497,7 +497,7 @@ def test_batches_a_caller_keeps_are_never_overwritten_and_released_ones_are_reus
     one_image = kept[1][3]
     del kept[1]
     for _ in range(2):
-        for images, _ in loader:  # later epochs, their batches dropped as they come
+        for _batch in loader:  # later epochs, their batches dropped as they come
             pass
     assert len({images.data_ptr() for images in kept}) == len(kept)
     for k, images in enumerate(kept):
