@@ -88,3 +88,6 @@ class BatchPool:
 
     def __len__(self) -> int:
         return len(self._arrays)
+
+    def __reduce__(self):  # a dataset sent to a worker process takes an empty pool, not this process's arrays
+        return type(self), (self.keep,)
