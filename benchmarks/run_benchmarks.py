@@ -142,9 +142,9 @@ def readme_section(results: dict) -> str:
              "CenterCrop(224), as torchvision's ImageFolder pipeline) runs with the same setting. Cells: samples/s "
              "(speedup over the folder with the same settings, fraction "
              "of the row's ceiling: the decode ceiling is the same stored bytes decoded by a process pool on every "
-             "core with no loader, as many rounds of an epoch's length as the rows have runs, their median, "
-             "measured for each dataset just before its rows; raw's is memory-copy bandwidth; cold rows are also "
-             "bounded by the disk's sequential read speed).", ""]
+             "core with no loader, one round of an epoch's length before each of the dataset's runs, their "
+             "median; raw's is memory-copy bandwidth; cold rows are also bounded by the disk's sequential read "
+             "speed).", ""]
     runs = f"Each figure is the median of {s['repeats']} runs" if s["repeats"] > 1 else "Each figure is one run"
     load = results.get("load_average")
     lines += [f"{runs}; {describe_load(load)}." if load else f"{runs}.", ""]

@@ -7,8 +7,8 @@ ImageFolder baseline) through :func:`packer.make_loader`, every one giving the s
 speedup over the folder with the same settings and the fraction of a ceiling measured in the same run:
 
 - decode ceiling: the stored payloads decoded (and resized/cropped) by the readers' own read-time decode in a
-  process pool of ``usable_cores()`` processes, with no loader, for encoded modes; measured for each dataset
-  just before its rows, since the host's speed drifts over a long run;
+  process pool of ``usable_cores()`` processes, with no loader, for encoded modes; one round before each of
+  the dataset's runs, and their median, since the host's speed varies (see ``limits.interleaved_ceiling``);
 - memory-copy ceiling: ``np.copyto`` bandwidth / bytes per sample, for raw arrays that need no transform;
 - disk ceiling (cold cache only): sequential read speed of the work folder's disk / bytes read per sample.
 
@@ -32,10 +32,11 @@ and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
 from .chart import chart_workers
 from .limits import (
+                     DecodePool,
                      add_ceilings,
-                     add_decode_ceiling,
                      decode_rates,
                      disk_read_speed,
+                     interleaved_ceiling,
                      measure_limits,
                      memory_bandwidth,
 )
@@ -57,13 +58,12 @@ from .targets import Size, Target, Variant, folder_target, pack_target, packed_t
 from .tune import format_tune, tune, tune_workers
 
 __all__ = [
-    "DEFAULT_OUT", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant", "WARMUP_BATCHES",
-    "add_ceilings", "add_decode_ceiling", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
+    "DEFAULT_OUT", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
+    "WARMUP_BATCHES", "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
     "dataset_files", "decode_rates", "default_workers", "describe_load", "describe_machine", "disk_read_speed",
-    "evict",
-    "filesystem_type", "folder_target", "format_table", "format_tune", "limits_lines", "load_average", "machine_info",
-    "markdown_table", "measure", "measure_limits", "memory_bandwidth", "open_train", "optional_size",
-    "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot", "prewarm",
-    "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
+    "evict", "filesystem_type", "folder_target", "format_table", "format_tune", "interleaved_ceiling", "limits_lines",
+    "load_average", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "open_train",
+    "optional_size", "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot",
+    "prewarm", "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
     "run_epochs", "split_ints", "split_names", "train_size", "tune", "tune_workers", "write_outputs"
 ]

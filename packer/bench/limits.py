@@ -1,6 +1,6 @@
 """What bounds a loader on this machine, measured in the same run: memory-copy bandwidth, the disk's sequential
 read speed, and each dataset's decode ceiling (its stored payloads decoded by a process pool on every core, with
-no loader, through the reader's own decode, just before its rows); and each row's ceiling and fraction of it."""
+no loader, through the reader's own decode, between its rows' runs); and each row's ceiling and fraction of it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,31 +100,47 @@ def _started(_: int) -> int:
     return os.getpid()
 
 
+class DecodePool:
+    """``processes`` processes that decode ``payloads`` (samples 0, 1, ... of ``dataset``, as :meth:`raw_sample`
+    gives them) as ``dataset`` does at read time, with no loader: what a loader on these cores could give for
+    these stored bytes. A context manager; :meth:`round` measures once. The processes wait idle between
+    rounds, so rounds can be taken between a loader's runs."""
+
+    def __init__(self, dataset: Any, payloads: Sequence[Any], processes: int | None = None,
+                 min_seconds: float = 0.4):
+        self.processes = processes or usable_cores()
+        self.state = {"dataset": dataset, "payloads": list(payloads)}
+        n = len(self.state["payloads"])
+        per = max(1, math.ceil(n / (self.processes * 4)))  # several chunks per process to balance uneven images
+        self.chunks = [(a, min(n, a + per)) for a in range(0, n, per)]
+        self.min_seconds = min_seconds
+        self.pool: Any = None
+
+    def __enter__(self) -> DecodePool:
+        self.pool = process_context().Pool(self.processes, initializer=_pool_init, initargs=(self.state,))
+        self.pool.map(_started, range(self.processes))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+    def round(self) -> float:
+        """Samples per second over at least ``min_seconds`` and at least one pass over the payloads: as long
+        as an epoch of the rows it bounds."""
+        done, t = 0, time.perf_counter()
+        for _ in range(100):  # repeat small sets until the timing is long enough to trust
+            done += sum(self.pool.imap_unordered(_decode_range, self.chunks))
+            if time.perf_counter() - t >= self.min_seconds:
+                break
+        return done / (time.perf_counter() - t)
+
+
 def decode_rates(dataset: Any, payloads: Sequence[Any], *, processes: int | None = None,
                  min_seconds: float = 0.4, rounds: int = 3) -> list[float]:
-    """Samples per second ``processes`` processes decode ``payloads`` (samples 0, 1, ... of ``dataset``, as
-    :meth:`raw_sample` gives them) as ``dataset`` does at read time, with no loader: what a loader on these
-    cores could give for these stored bytes. One rate per round, each round at least ``min_seconds`` and at
-    least one pass over ``payloads``: as long as an epoch of the rows it bounds, and as many rounds as their
-    repeats, so that the ceiling (their median, :func:`add_decode_ceiling`) and the rows are the same statistic.
-    """
-    processes = processes or usable_cores()
-    state = {"dataset": dataset, "payloads": list(payloads)}
-    n = len(state["payloads"])
-    per = max(1, math.ceil(n / (processes * 4)))  # several chunks per process to balance uneven images
-    chunks = [(a, min(n, a + per)) for a in range(0, n, per)]
-    ctx = process_context()
-    rates = []
-    with ctx.Pool(processes, initializer=_pool_init, initargs=(state,)) as pool:
-        pool.map(_started, range(processes))
-        for _ in range(rounds):
-            done, t = 0, time.perf_counter()
-            for _ in range(100):  # repeat small sets until the timing is long enough to trust
-                done += sum(pool.imap_unordered(_decode_range, chunks))
-                if time.perf_counter() - t >= min_seconds:
-                    break
-            rates.append(done / (time.perf_counter() - t))
-    return rates
+    """``rounds`` rounds of a :class:`DecodePool` in a row: one rate per round."""
+    with DecodePool(dataset, payloads, processes, min_seconds) as pool:
+        return [pool.round() for _ in range(rounds)]
 
 
 def _collect_payloads(ds: Any, limit_bytes: int = PAYLOAD_LIMIT) -> list[Any]:
@@ -142,7 +158,7 @@ def _collect_payloads(ds: Any, limit_bytes: int = PAYLOAD_LIMIT) -> list[Any]:
 
 def measure_limits(work: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Memory-copy bandwidth and disk read speed; the decode ceilings are added per target by
-    :func:`add_decode_ceiling`, just before its rows are measured."""
+    :func:`interleaved_ceiling`, between its runs."""
     limits: dict[str, Any] = {"processes": usable_cores(), "decode": {}}
     limits["memory_copy_gb_per_s"] = memory_bandwidth() / 1e9
     disk = disk_read_speed(work, settings["disk_test_mb"]) if settings["disk_test_mb"] else None
@@ -150,32 +166,38 @@ def measure_limits(work: Path, settings: dict[str, Any]) -> dict[str, Any]:
     return limits
 
 
-def add_decode_ceiling(limits: dict[str, Any], target: Target, rounds: int = 3) -> None:
-    """Measure ``target``'s decode ceiling into ``limits["decode"]``, right before its own rows: the median of
-    ``rounds`` rounds of :func:`decode_rates` (pass the rows' repeats), the statistic the rows use.
+@contextlib.contextmanager
+def interleaved_ceiling(limits: dict[str, Any], target: Target) -> Iterator[Callable[[], Any] | None]:
+    """Measure ``target``'s decode ceiling side by side with its rows: yields a function that takes one round
+    of a :class:`DecodePool` (call it before each of the target's runs; None where no decode ceiling applies),
+    and on exit puts the median of the rounds in ``limits["decode"]``, every round beside it.
 
-    Why not the best round: on a shared host the cores' speed itself varies. Measured here with the load
-    average under 1, one thread decoding the same 100 JPEGs over and over for 20 s ran at 2,851 images/s at
-    the 10th percentile, 3,101 at the median and 3,667 at the 90th; the best of three rounds sits near the top
-    of that spread, a median of three epochs near its middle, so the best round bounded every row ~15% low
-    whatever the loader did. Why right before: the speed also drifts over minutes (one image's decode took
-    182-213 us in runs minutes apart), and a run of every table takes 15."""
+    Why interleaved, and the median: on a shared host the cores' speed itself varies. Measured here with the
+    load average under 1, one thread decoding the same 100 JPEGs over and over for 20 s ran at 2,851 images/s
+    at the 10th percentile, 3,101 at the median and 3,667 at the 90th, and one image's decode took 182-213 us
+    in runs minutes apart. The ceiling was the best of three rounds taken at the start of a 15-minute run:
+    near the top of that spread and minutes away from the rows, each of which is a median of runs. Taken
+    between the runs, as a median, the ceiling sees the host as the rows do."""
     key = ceiling_key(target)
-    if key in limits["decode"] or target.pipeline != "val":  # no ceiling model for the train pipeline yet
+    if not limits or key in limits["decode"] or target.pipeline != "val":  # no ceiling model for train yet
+        yield None
         return
     if target.store_mode == "raw" and not (target.read_resize or target.read_crop):
         limits["decode"][key] = {"kind": "memcpy", "samples_per_s": None}
+        yield None
         return
     ds = target.open()
     payloads = _collect_payloads(ds)
     del ds
     release_handles()
+    rates: list[float] = []
     # a fresh dataset, never opened: the pool only decodes, and nothing stays mapped for the cold runs
-    rates = decode_rates(target.open(), payloads, processes=limits["processes"], rounds=rounds)
+    with DecodePool(target.open(), payloads, limits["processes"]) as pool:
+        yield lambda: rates.append(pool.round())
     release_handles()
     kind = "resize" if target.store_mode == "raw" else "decode"
-    limits["decode"][key] = {"kind": kind, "samples_per_s": statistics.median(rates), "rounds": rates,
-                             "payloads": len(payloads)}
+    limits["decode"][key] = {"kind": kind, "samples_per_s": statistics.median(rates) if rates else None,
+                             "rounds": rates, "payloads": len(payloads)}
 
 
 def ceiling_key(target: Target) -> str:

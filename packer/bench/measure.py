@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,13 +161,19 @@ def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict],
     return row
 
 
-def measure(target: Target, settings: dict[str, Any], expected: tuple | None, bar: tqdm | None) -> list[dict]:
-    """Every (workers, cache, epoch) row of one target, each the median of ``repeats`` runs."""
+def measure(target: Target, settings: dict[str, Any], expected: tuple | None, bar: tqdm | None,
+            before_run: Callable[[], Any] | None = None) -> list[dict]:
+    """Every (workers, cache, epoch) row of one target, each the median of ``repeats`` runs; ``before_run`` is
+    called before each run (the decode ceiling's rounds, taken side by side with the runs)."""
     rows = []
     output_bytes = int(np.prod(expected[:3])) if expected else 0
     for cache in settings["caches"]:
         for workers in settings["workers"]:
-            runs = [_run_once(target, workers, cache, settings, r, expected, bar) for r in range(settings["repeats"])]
+            runs = []
+            for r in range(settings["repeats"]):
+                if before_run is not None:
+                    before_run()
+                runs.append(_run_once(target, workers, cache, settings, r, expected, bar))
             rows += [_row(target, workers, cache, e, runs, settings, output_bytes) for e in range(settings["epochs"])]
     return rows
 

@@ -18,7 +18,7 @@ from .. import __version__
 from ..errors import PackerError, UsageError
 from ..system import usable_cores
 from ..transforms import parse_size
-from .limits import add_ceilings, add_decode_ceiling, measure_limits
+from .limits import add_ceilings, interleaved_ceiling, measure_limits
 from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
@@ -140,9 +140,8 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     try:
         for target in everything:
             bar.set_postfix_str(f"{target.dataset} {target.store}")
-            if limit_info:
-                add_decode_ceiling(limit_info, target, settings["repeats"])
-            rows += measure(target, settings, expected, bar)
+            with interleaved_ceiling(limit_info, target) as ceiling_round:
+                rows += measure(target, settings, expected, bar, before_run=ceiling_round)
     finally:
         bar.close()
     add_speedups(rows)
