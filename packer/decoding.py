@@ -171,6 +171,11 @@ class Decoding:
         colorspace = "GRAY" if self.spec.mode == "L" else "RGB"
         decode_array, decode_jpeg = self.decode_array, simplejpeg.decode_jpeg
         if not self.center_crop:
+            # only packer's own encodes are sure to be YCbCr or grey without reading each header: decode()
+            # leaves a CMYK JPEG to Pillow, whose pixels simplejpeg's own conversion would not match
+            if self.spec.store != "jpeg":
+                return self.decode_array
+
             def decode_row(index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
                 try:
                     # the row bounds the decode: a larger image raises, a smaller one comes back another shape
