@@ -27,12 +27,19 @@ def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = F
     copy to the GPU needs no staging copy (torch's pinned-memory allocator reuses its own blocks), or else
     comes from ``pool``."""
     if get_worker_info() is not None:
-        numel = int(np.prod(shape))
-        storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
-        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+        return shared_tensor(shape, dtype)
     if pin_memory or pool is None or dtype not in _NUMPY_DTYPES:
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     return pool.take(shape, dtype)
+
+
+def shared_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in shared memory, made there directly: ``torch.empty(...).share_memory_()``
+    allocates it on the heap first and copies it over, and a forked worker's allocations then reuse the freed
+    heap chunks it inherited, copying them page by page (workers' memory grew ~30% over 8 epochs)."""
+    numel = int(np.prod(shape))
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 class BatchPool:

@@ -204,36 +204,11 @@ class PackedDataset(Decoding, Dataset):
         if not self.decode:
             return [self.raw_sample(i) for i in indices]
         threads = self.threads if threads is None else threads
-        reader = self.reader
-        epochs = [getattr(i, "epoch", self.epoch) for i in indices]  # before normalising: index % n drops it
-        indices = [reader.check_index(i) for i in indices]
-        reader.open()
         shape = self.output_shape()
-        copies_only = reader.is_raw and not (self.resize or self.center_crop or self.augments)
-        # a copy each is less work than handing it to a thread
-        decode_threads = 1 if copies_only else threads
         if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
-            samples = reader.read_many(indices)
-            arrays: list = [None] * len(indices)
-
-            def decode_one(j: int) -> None:
-                arr = self.decode_array(indices[j], self._verified(indices[j], samples[j]), epoch=epochs[j])
-                arrays[j] = arr if arr.flags.writeable else np.array(arr)
-
-            self._parallel(decode_one, list(range(len(indices))), decode_threads)
-            return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
-                    for arr, s in zip(arrays, samples, strict=True)]
-        dtype = {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
-        batch = empty_batch((len(indices), *shape), dtype, pin_memory, self._batches)
-        out = batch.numpy()
-        labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
-        if labels is None:
-            samples = reader.read_many(indices)
-            decode_row = self.row_decoder()
-            fill = lambda j: decode_row(indices[j], self._verified(indices[j], samples[j]), out[j],  # noqa: E731
-                                        epochs[j])
-            self._parallel(fill, list(range(len(indices))), decode_threads)
-            labels = [s.label for s in samples]
+            return self._read_varying(indices, threads)
+        batch = empty_batch((len(indices), *shape), self.output_dtype(), pin_memory, self._batches)
+        labels = self.decode_into(indices, batch.numpy(), threads)
         images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy
         labels = torch.as_tensor(labels, dtype=torch.int64)
         pairs = zip(images.unbind(0), labels.tolist(), strict=True)
@@ -242,6 +217,61 @@ class PackedDataset(Decoding, Dataset):
         result = PackedBatch(pairs)
         result.images, result.labels = images, labels
         return result
+
+    def decode_into(self, indices: list[int], out: np.ndarray, threads: int = 1) -> list[int] | np.ndarray:
+        """Decode samples into the rows of a caller's array: what :meth:`read_batch` does after allocating its
+        batch, and what packer's worker processes run into their shared-memory slots.
+
+        Args:
+            indices: sample indices (an ``EpochIndex`` carries the epoch its augmentation uses).
+            out: a C-contiguous ``(len(indices), H, W, C)`` array of :meth:`output_shape` and the stored dtype.
+            threads: decode threads.
+
+        Returns:
+            The labels, in order (no ``target_transform``: that is applied per item).
+        """
+        reader = self.reader
+        indices, epochs = self._batch_indices(indices)
+        copies_only = self._copies_only()
+        labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
+        if labels is None:
+            samples = reader.read_many(indices)
+            decode_row = self.row_decoder()
+            fill = lambda j: decode_row(indices[j], self._verified(indices[j], samples[j]), out[j],  # noqa: E731
+                                        epochs[j])
+            # a copy each is less work than handing it to a thread
+            self._parallel(fill, list(range(len(indices))), 1 if copies_only else threads)
+            labels = [s.label for s in samples]
+        return labels
+
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of the images this dataset gives: uint8, or the float type it was packed with."""
+        return {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
+
+    def _copies_only(self) -> bool:
+        return self.reader.is_raw and not (self.resize or self.center_crop or self.augments)
+
+    def _batch_indices(self, indices: list[int]) -> tuple[list[int], list[int]]:
+        """The indices in range, and each one's epoch, taken first: ``index % n`` drops an EpochIndex's. Opens
+        the reader."""
+        epochs = [getattr(i, "epoch", self.epoch) for i in indices]
+        indices = [self.reader.check_index(i) for i in indices]
+        self.reader.open()
+        return indices, epochs
+
+    def _read_varying(self, indices: list[int], threads: int) -> list:
+        reader = self.reader
+        indices, epochs = self._batch_indices(indices)
+        samples = reader.read_many(indices)
+        arrays: list = [None] * len(indices)
+
+        def decode_one(j: int) -> None:
+            arr = self.decode_array(indices[j], self._verified(indices[j], samples[j]), epoch=epochs[j])
+            arrays[j] = arr if arr.flags.writeable else np.array(arr)
+
+        self._parallel(decode_one, list(range(len(indices))), 1 if self._copies_only() else threads)
+        return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
+                for arr, s in zip(arrays, samples, strict=True)]
 
 
 class LmdbDataset(PackedDataset):
