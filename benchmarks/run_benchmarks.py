@@ -137,8 +137,10 @@ def readme_section(results: dict) -> str:
              f"Data: {src['images']:,} ImageNet-like photos (JPEG, short side 300-480 px; "
              f"{src['bytes'] / 1e6:,.0f} MB) made by `scripts/make_sample_data.py`. Every row gives the same "
              f"batches: {s['batch_size']} x 3 x 224 x 224 uint8, through `make_loader(ds, {s['batch_size']})`: "
-             "`workers 0` is its default for packer datasets (decode threads, one per core, in the main process), "
-             "`workers N` is N DataLoader worker processes; the folder baseline (Pillow decode, Resize(256), "
+             "`workers N` is N worker processes (packer's pool, decoding whole batches into shared memory: "
+             "`make_loader`'s default for these datasets, with N = the usable cores), `workers 0` is "
+             "`num_workers=0`, decode threads (one per core) in the main process; the folder baseline (Pillow "
+             "decode, Resize(256), "
              "CenterCrop(224), as torchvision's ImageFolder pipeline) runs with the same setting. Cells: samples/s "
              "(speedup over the folder with the same settings, fraction "
              "of the row's ceiling: the decode ceiling is the same stored bytes decoded by a process pool on every "
@@ -151,7 +153,7 @@ def readme_section(results: dict) -> str:
     lines += [f"**Warning:** {warning}\n" for warning in results.get("warnings", [])]
     for workers in s["workers"]:
         how = f"workers {workers}: " + ("decode threads in the main process" if workers == 0 else
-                                         f"{workers} worker processes")
+                                         f"{workers} worker processes (packer's pool)")
         if "warm" in s["caches"]:
             lines += [f"Warm page cache, epoch {s['epochs']}, {how}:", ""]
             lines += results_table(results, "warm", workers) + [""]

@@ -2,11 +2,15 @@
 
 Each default and why (every one can be overridden by keyword):
 
-- packer's own datasets decode in the main process, one thread per usable core (the affinity mask, which SLURM
-  and taskset set, capped by a cgroup CPU quota and SLURM_CPUS_PER_TASK), in a background thread that keeps
-  ``prefetch_factor`` batches ready. Measured on this project's 2-core machine, handing a 224x224 uint8 batch of
-  64 from a worker process to the main process costs about 9 ms, more than copying it from a packed raw dataset;
-  threads avoid that, and start at once. Other datasets, or ``num_workers=N``, use N worker processes;
+- packer's datasets whose images have one shape (a packed size, or ``center_crop``/``random_resized_crop`` at
+  read time) and no per-item ``transform``: one worker process per usable core (the affinity mask, which SLURM
+  and taskset set, capped by a cgroup CPU quota and SLURM_CPUS_PER_TASK), each decoding whole batches into
+  shared memory the main process owns (:mod:`packer.workers`): only the labels cross between processes. Threads
+  in the main process share one GIL, with each other and with the training loop: on this project's 2-core
+  machine they reached 80-90% of the decode ceiling where the worker processes reach 86-103%, and torch's own
+  workers, which allocate and send every batch, 46-66%. Other packer datasets, and one usable core, decode in
+  the main process on one thread per core, in a background thread ``prefetch_batches`` ahead
+  (``num_workers=0`` asks for that). Other datasets use ``num_workers`` = usable cores, torch's workers;
 - ``pin_memory``: on when CUDA is available, so the copy to the GPU can be asynchronous;
 - ``persistent_workers``: on, so workers (and their open maps and page-cache-warm handles) survive epochs;
 - ``prefetch_factor``: 4 batches per worker, enough to ride out slow batches without holding much memory;
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing
 import queue
 import random
 import sys
@@ -39,6 +44,7 @@ from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
 from .sampler import EpochPass, ResumableSampler
 from .system import usable_cores
+from .workers import WorkerPool
 
 TUNED = "loader.json"
 
@@ -82,31 +88,46 @@ def tuned_settings(dataset: Dataset) -> dict[str, Any]:
 
 class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, with ``num_workers=0``, makes its batches in a background thread of the main
-    process, ``prefetch_batches`` ahead. Packed datasets decode each batch on several threads (decoding and
-    copying release the GIL), so this runs as parallel as worker processes without their cost: no process
-    start, and no trip through shared memory for every batch.
+    process, ``prefetch_batches`` ahead (packed datasets decode each batch on several threads; decoding and
+    copying release the GIL). With ``worker_pool`` settings, ``num_workers`` are packer's
+    :class:`~packer.workers.WorkerPool` instead of torch's workers, started at the first iteration.
 
     With a :class:`~packer.sampler.ResumableSampler` (``make_loader``'s) it also resumes mid-epoch:
     :meth:`state_dict` is the position after the batches the caller has received (the sampler and the workers
     run ahead of it), and :meth:`load_state_dict` makes the next iteration the rest of that epoch."""
 
-    def __init__(self, *args, prefetch_batches: int = 4, threads: int = 1, pin_batches: bool = False, **kwargs):
+    def __init__(self, *args, prefetch_batches: int = 4, threads: int = 1, pin_batches: bool = False,
+                 worker_pool: dict[str, Any] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefetch_batches = prefetch_batches
         self.threads = threads  # decode threads per batch, in each process that reads
         self.pin_batches = pin_batches  # batches are made in pinned memory (then pin_memory itself is off)
+        self.worker_pool_settings = worker_pool  # num_workers are packer's WorkerPool, started at the first pass
+        self._worker_pool: WorkerPool | None = None
         self._received: Received | None = None  # the latest iteration's pass and the batches handed out of it
 
     def __iter__(self):
         sampler = self._resumable_sampler()
         epoch_pass = sampler.next_pass() if sampler is not None else None
-        iterator = super().__iter__()
+        if self.worker_pool_settings is not None:
+            if self._worker_pool is None:
+                self._worker_pool = WorkerPool(**self.worker_pool_settings)
+            iterator = self._worker_pool.iterate(iter(self.batch_sampler))
+        else:
+            iterator = super().__iter__()
         if self.num_workers == 0 and self.prefetch_batches > 0:
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
         if epoch_pass is None:
             return iterator
         self._received = Received(epoch_pass)
         return _CountingIterator(iterator, self._received)
+
+    @property
+    def worker_pool(self) -> WorkerPool | None:
+        """packer's :class:`~packer.workers.WorkerPool` when it makes this loader's batches and has started
+        (at the first iteration), else None. ``loader.worker_pool.close()`` stops its processes now; they also
+        stop when the loader is garbage-collected, and at exit."""
+        return self._worker_pool
 
     def __len__(self) -> int:
         received = self._received  # during a pass: its batches (the prefetching sampler may be done with it)
@@ -279,6 +300,41 @@ class BatchReads(Dataset):
         return getattr(self.dataset, name)
 
 
+# the DataLoader settings packer's WorkerPool carries out itself; with any other (generator, pin_memory_device...)
+# the loader keeps torch's own workers
+_POOL_SETTINGS = {"batch_size", "num_workers", "pin_memory", "collate_fn", "drop_last", "persistent_workers",
+                  "prefetch_factor", "worker_init_fn", "sampler", "batch_sampler", "multiprocessing_context", "timeout"}
+
+
+def _whole_batches(dataset: PackedDataset) -> bool:
+    """Whether the dataset's batches are what a worker pool can make: decoded images of one shape, with no
+    per-item transform (those need the pairs ``read_batch`` returns)."""
+    return (dataset.transform is None and dataset.target_transform is None and dataset.decode
+            and dataset.output_shape() is not None)
+
+
+def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any]) -> bool:
+    """Whether make_loader gives ``dataset`` packer's worker pool when ``num_workers`` is not given: on two or
+    more cores, outside a daemonic process (which may not start any), with settings the pool carries out."""
+    return (usable_cores() >= 2 and not multiprocessing.current_process().daemon
+            and not set(overrides) - _POOL_SETTINGS and overrides.get("persistent_workers", True)
+            and overrides.get("collate_fn", collate) is collate and overrides.get("worker_init_fn") is None
+            and _whole_batches(dataset))
+
+
+def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """WorkerPool's arguments when ``num_workers`` can be packer's pool: whole batches of one shape, decoded
+    without a per-item transform, collated by :func:`collate`, workers kept across epochs; else None."""
+    if (settings["num_workers"] <= 0 or not settings.get("persistent_workers") or set(settings) - _POOL_SETTINGS
+            or settings.get("collate_fn") is not collate or settings.get("worker_init_fn") not in (None, seed_worker)
+            or not _whole_batches(dataset)):
+        return None
+    pin = bool(settings.get("pin_memory")) and torch.cuda.is_available()
+    return {"dataset": dataset, "workers": settings["num_workers"], "batch_size": settings.get("batch_size") or 1,
+            "prefetch_factor": settings.get("prefetch_factor") or 2, "pin_memory": pin,
+            "context": settings.get("multiprocessing_context"), "timeout": settings.get("timeout", 0)}
+
+
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
@@ -287,10 +343,12 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart make the same
     loader and call ``loader.load_state_dict(state)``; the next iteration is the rest of the interrupted epoch.
 
-    For packer's datasets, unless ``num_workers`` is given, batches are decoded in the main process on one
-    thread per usable core and prefetched in the background (:class:`PrefetchLoader`); batches are allocated
-    in pinned memory when CUDA is available. Pass ``num_workers=N`` for N worker processes instead (each
-    decoding on one thread), as for any other dataset. The dataset itself is not changed.
+    For packer's datasets of one image shape and no per-item transform, batches are decoded by worker
+    processes (one per usable core, or ``num_workers``) into shared memory the main process hands out
+    (:class:`~packer.workers.WorkerPool`; copied into pinned memory when CUDA is available). ``num_workers=0``,
+    ``threads=`` or ``prefetch_batches=``, and the datasets the pool cannot serve, decode in the main process
+    on one thread per usable core, prefetched in the background (:class:`PrefetchLoader`), in pinned memory when
+    CUDA is available. The dataset itself is not changed.
 
     Args:
         dataset: any map-style or iterable Dataset; packer's get the settings above.
@@ -299,9 +357,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         seed: the sample order's seed.
         tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present (and say so on stderr);
             False ignores it and prints nothing.
-        threads: decode threads per batch (default: the usable cores in the main process, 1 in workers).
+        threads: decode threads per batch in the main process (default: the usable cores; 1 in workers).
+            Giving it asks for the in-process loader.
         prefetch_batches: batches the in-process loader keeps ready (default: the tuned prefetch_factor, else
-            4; 0 with worker processes, which prefetch ``prefetch_factor`` batches each).
+            4; 0 with worker processes, which prefetch ``prefetch_factor`` batches each). Giving it asks for the
+            in-process loader.
         drop_last: drop the last, smaller batch of each epoch.
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
@@ -313,8 +373,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         batch_size = tuned_values.get("batch_size", 64)
     cuda = torch.cuda.is_available()
     packed = isinstance(dataset, PackedDataset)
-    threaded = packed and "num_workers" not in overrides and "num_workers" not in tuned_values
-    workers = 0 if threaded else overrides.get("num_workers", tuned_values.get("num_workers", usable_cores()))
+    if packed and "num_workers" not in overrides and "num_workers" not in tuned_values:
+        pooled = threads is None and prefetch_batches is None and _pooled_by_default(dataset, overrides)
+        workers = usable_cores() if pooled else 0
+    else:
+        workers = overrides.get("num_workers", tuned_values.get("num_workers", usable_cores()))
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers, "pin_memory": cuda,
                                 "collate_fn": collate, "drop_last": drop_last}
     if workers > 0:
@@ -335,7 +398,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     if prefetch_batches is None:
         prefetch_batches = tuned_values.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
     data = BatchReads(dataset, threads, pin_batches) if packed else dataset
+    pool = _worker_pool(dataset, settings) if packed else None
     return PrefetchLoader(data, prefetch_batches=prefetch_batches, threads=threads, pin_batches=pin_batches,
+                          worker_pool=pool,
                           **settings)
 
 

@@ -122,8 +122,9 @@ WORK_LEGEND = ("Read-time work: *decode+resize* decodes the full-size source ima
                "224 (compare these rows with each other); *decode 224* / *copy 224* read images that were "
                "resized and cropped once at conversion (packer's jpeg/raw stores); FFCV's rows read images "
                "whose long side was capped at 256 at conversion (*decode <=256+resize*, *resize <=256*). "
-               "*threads*: packer's default loader (decoding on threads in the main process); *workers*: "
-               "2 DataLoader worker processes, as every peer uses. Training rows: *+RRC* picks a random window "
+               "*threads*: packer's in-process loader (decoding on threads in the main process, "
+               "`num_workers=0`); *workers*: 2 worker processes, as every peer uses (packer's: its own pool, "
+               "make_loader's default). Training rows: *+RRC* picks a random window "
                "(torchvision's RandomResizedCrop algorithm) and resizes only it to 224, then flips half the "
                "images; *decode 256+RRC* reads images stored with their short side at 256. With repeats, each "
                "images/s cell is the median, with the min–max in brackets.")

@@ -34,15 +34,16 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
                  seed: int = 0, **overrides: Any) -> tuple[Any, int]:
     """The loader every benchmark run reads through, and its decode threads per process: ``make_loader`` with
     every setting given, so that a ``loader.json`` beside the dataset does not apply. ``workers`` processes of
-    one decode thread each, or with 0 packer's in-process loader (decode threads in the main process and a
-    background thread ``prefetch_factor`` batches ahead).
+    one decode thread each (packer's :class:`~packer.workers.WorkerPool` where it applies), or with 0 packer's
+    in-process loader (decode threads in the main process and a background thread ``prefetch_factor`` batches
+    ahead).
 
     The one place the benchmark makes a loader (``tuned=False``: nothing tuned applies).
 
     Args:
         ds: the dataset to read.
         batch_size: samples per batch.
-        workers: DataLoader worker processes; 0 for the in-process loader.
+        workers: worker processes; 0 for the in-process loader.
         prefetch_factor: batches prefetched per worker, or by the in-process loader's background thread.
         seed: the sampler's seed (the shuffle order).
         **overrides: further ``make_loader`` settings, such as ``sampler``.

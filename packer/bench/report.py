@@ -130,7 +130,8 @@ def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any]) -
     notes = [f"epoch 1 rates leave out its first {WARMUP_BATCHES} batches (worker start-up); first_batch_s is "
              "the time from iter(loader) to the first batch",
              "workers 0 is make_loader's in-process loader: `threads` decode threads in the main process and a "
-             "background thread prefetching; workers N are N DataLoader processes of one decode thread each",
+             "background thread prefetching; workers N are N worker processes of one decode thread each (packer's "
+             "pool for packer datasets and the folder: make_loader's default on 2+ cores)",
              "ceilings use every usable core"]
     if "cold" in settings["caches"] and settings["epochs"] > 1:
         notes.append("cold epoch 2 reads what epoch 1 left in the page cache: it shows re-reading, not a cold disk")

@@ -1,4 +1,5 @@
-"""packer itself: every format x storage mode, read by ``make_loader`` on threads (its default) and on workers.
+"""packer itself: every format x storage mode, read by ``make_loader`` on threads (``num_workers=0``) and on
+2 worker processes (packer's pool).
 
 Runs in the project's venv, where packer is importable. Validation rows, per storage mode:
 
@@ -9,7 +10,7 @@ Runs in the project's venv, where packer is importable. Validation rows, per sto
   or as uint8 arrays; read without any read-time geometry.
 
 Training rows read ``open_dataset(dest, random_resized_crop=224, flip=True, seed=0)`` through
-``make_loader(ds, batch_size=..., seed=0)``'s defaults (threads), from four stored geometries: jpeg and raw with
+``make_loader(ds, batch_size=..., seed=0, num_workers=0)`` (threads), from four stored geometries: jpeg and raw with
 ``max_size=256`` (the long side capped at 256, FFCV's geometry), jpeg with ``resize=256`` (short side 256, no
 crop) and ``original``. A packer without these keywords (issue 10) reports each such row as not supported.
 """
@@ -87,13 +88,13 @@ def make_loader(variant: Variant, data: Path, batch_size: int, workers: int):
 
     if variant.pipeline == "train":
         ds = packer.open_dataset(data, random_resized_crop=CROP, flip=True, seed=0)
-        return packer.make_loader(ds, batch_size=batch_size, seed=0)
+        return packer.make_loader(ds, batch_size=batch_size, seed=0, num_workers=0)
     options = VAL_GEOMETRY if variant.options["store"] == "original" else {}
     if "decoder" in variant.options:
         options = {**options, "decoder": variant.options["decoder"]}
     ds = packer.open_dataset(data, **options)
     if variant.options["loader"] == "threads":
-        return packer.make_loader(ds, batch_size=batch_size)  # default: decode on threads in this process
+        return packer.make_loader(ds, batch_size=batch_size, num_workers=0)  # decode on threads in this process
     return packer.make_loader(ds, batch_size=batch_size, num_workers=workers)
 
 

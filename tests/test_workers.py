@@ -1,0 +1,151 @@
+"""packer's worker pool (``packer.workers``): make_loader's default for fixed-shape packed datasets on 2+ cores,
+and what ``num_workers=N`` gives them. Real worker processes, real shared memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import time
+
+import h5py
+import psutil
+import pytest
+import torch
+from packed_support import FORMATS, packed
+
+import packer
+from packer.errors import CorruptDataError, PackerError
+from packer.system import usable_cores
+from packer.workers import WorkerPool
+
+BATCH = 16
+LIVENESS = 120  # a bound on a hung worker, not a timing
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, sample_data):
+    return lambda fmt, store: packed(tmp_path_factory, sample_data, fmt, store)
+
+
+def threaded_epoch(ds, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One shuffled epoch through the in-process threaded loader: the reference."""
+    return copied(packer.make_loader(ds, batch_size=BATCH, seed=seed, num_workers=0))
+
+
+def copied(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An epoch's batches, each copied (the loader may reuse a batch's memory once it is dropped)."""
+    return [(images.clone(), labels) for images, labels in loader]
+
+
+def assert_same_batches(got, expected) -> None:
+    assert len(got) == len(expected)
+    for (images, labels), (ref_images, ref_labels) in zip(got, expected, strict=True):
+        assert images.shape == ref_images.shape and images.dtype == ref_images.dtype
+        assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+
+
+@pytest.mark.parametrize("store", ["jpeg_fixed", "raw"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pool_gives_the_threaded_loaders_batches_and_keeps_the_ones_held(pack, fmt, store):
+    """Every epoch (shuffled, the last batch short) equals the threaded loader's, and the batches of epoch 1,
+    all kept while epochs 2 and 3 run through the same slots, still hold their pixels afterwards."""
+    ds = packer.open_dataset(pack(fmt, store))
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, timeout=LIVENESS)
+    assert loader.worker_pool is None, "started at the first iteration"
+    kept = list(loader)
+    assert loader.worker_pool is not None and len(loader.worker_pool.processes) == 2
+    assert len(ds) % BATCH and len(kept[-1][1]) == len(ds) % BATCH
+    for epoch in (1, 2):
+        assert_same_batches(copied(loader), threaded_epoch(ds, epoch))
+    assert_same_batches(kept, threaded_epoch(ds, 0))
+
+
+def test_default_loader_on_two_cores_is_the_pool(pack):
+    ds = packer.open_dataset(pack("lmdb", "raw"))
+    loader = packer.make_loader(ds, batch_size=BATCH)
+    if usable_cores() < 2:
+        pytest.skip("one usable core: the default is the threaded loader")
+    assert loader.num_workers >= 2 and loader.threads == 1
+    assert_same_batches(copied(loader), threaded_epoch(ds))
+    # what the pool cannot make (a per-item transform, images of varying size) keeps the threaded loader
+    assert packer.make_loader(packer.open_dataset(pack("lmdb", "raw"), transform=lambda x: x)).num_workers == 0
+    assert packer.make_loader(packer.open_dataset(pack("lmdb", "original"))).num_workers == 0
+
+
+def test_slots_are_reused_once_dropped(pack):
+    ds = packer.open_dataset(pack("hdf5", "jpeg_fixed"))
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, prefetch_factor=2, timeout=LIVENESS)
+    for _ in range(4):
+        assert sum(len(labels) for _, labels in loader) == len(ds)
+    slots = len(loader.worker_pool.slots)
+    assert slots <= loader.worker_pool.slots.keep, "batches nobody holds are written again, not made anew"
+
+
+def test_copied_out_batches_free_their_slot_at_once(pack):
+    """With pinned memory (on CUDA) each batch is copied out of its slot; the same path, unpinned, here."""
+    ds = packer.open_dataset(pack("wds", "jpeg_fixed"))
+    pool = WorkerPool(ds, workers=2, batch_size=BATCH, prefetch_factor=2, copy_out=True, timeout=LIVENESS)
+    try:
+        indices = list(range(len(ds)))
+        batches = [indices[a:a + BATCH] for a in range(0, len(ds), BATCH)]
+        kept = list(pool.iterate(iter(batches)))
+        assert len(pool.slots) <= pool.depth + 1, "a copied-out slot is free again at once"
+        reference = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=0)
+        assert_same_batches(kept, copied(reference))
+    finally:
+        pool.close()
+    assert all(not p.is_alive() for p in pool.processes)
+
+
+def test_a_new_pass_after_a_break_is_whole_and_right(pack):
+    ds = packer.open_dataset(pack("lmdb", "jpeg_fixed"))
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, timeout=LIVENESS)
+    for step, _ in enumerate(loader):  # stop with batches still in flight
+        if step == 1:
+            break
+    assert_same_batches(copied(loader), threaded_epoch(ds, 1))
+
+
+def test_a_damaged_sample_is_raised_in_the_main_process_naming_it(pack, tmp_path):
+    dest = tmp_path / "ds"
+    shutil.copytree(pack("hdf5", "jpeg_fixed"), dest)
+    k = 21
+    with h5py.File(dest / "data.h5", "r+") as f:
+        at = int(f["offsets"][k]) + 40
+        f["images"][at] ^= 0xFF
+    ds = packer.open_dataset(dest, verify=True)
+    loader = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=2, timeout=LIVENESS)
+    with pytest.raises(CorruptDataError, match=rf"data\.h5 sample {k}\b") as info:
+        for _ in loader:
+            pass
+    assert "\n" not in str(info.value)
+    # the pool goes on serving the samples that are intact
+    assert len(next(iter(loader))[1]) == BATCH
+
+
+def test_a_killed_worker_is_an_error_not_a_hang(pack):
+    ds = packer.open_dataset(pack("wds", "jpeg_fixed"))
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, timeout=LIVENESS)
+    it = iter(loader)
+    next(it)
+    os.kill(loader.worker_pool.processes[0].pid, signal.SIGKILL)
+    with pytest.raises(PackerError, match=r"loader worker 0 \(pid \d+\) exited with code -9"):
+        for _ in it:
+            pass
+
+
+def test_dropped_loader_stops_its_workers(pack):
+    def start() -> list[int]:
+        loader = packer.make_loader(packer.open_dataset(pack("lmdb", "raw")), batch_size=BATCH, num_workers=2)
+        next(iter(loader))
+        return [p.pid for p in loader.worker_pool.processes]
+
+    pids = start()
+    gc.collect()
+    deadline = time.monotonic() + LIVENESS
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                                              != psutil.STATUS_ZOMBIE for pid in pids):
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
