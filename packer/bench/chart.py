@@ -16,8 +16,8 @@ PIPELINE_LINES = {"val": "--", "train": ":"}
 
 
 def chart_workers(rows: list[dict]) -> list[int]:
-    """The worker counts charted: 0 (make_loader's default for packer datasets, decode threads in the main
-    process) and the most worker processes measured, whichever of them the run has."""
+    """The worker counts charted: 0 (make_loader's in-process loader, decode threads in the main process) and
+    the most worker processes measured (packer's pool: the default on 2+ cores), whichever of them the run has."""
     counts = {r["workers"] for r in rows}
     return [w for w in dict.fromkeys([0, max(counts)]) if w in counts]
 
@@ -26,7 +26,7 @@ def _loader_label(rows: list[dict], workers: int) -> str:
     if workers:
         return f"{workers} worker process{'es' if workers > 1 else ''}"
     threads = next((r["threads"] for r in rows if r["workers"] == 0), "?")
-    return f"default loader ({threads} threads)"
+    return f"in-process loader ({threads} threads)"
 
 
 def _panel(ax: Any, rows: list[dict], cache: str, epoch: int, shown: list[int]) -> None:

@@ -128,7 +128,10 @@ def _run_once(target: Target, workers: int, cache: str, settings: dict[str, Any]
                         where=f"{target.dataset} {target.store}", bar=bar)
     # Every epoch ran to its end, so nothing reads any more: shut the workers down and unmap before the next
     # eviction. (Not on an error: a loader's threads may still be reading then.)
-    del loader, ds
+    pool = getattr(loader, "worker_pool", None)
+    if pool is not None:
+        pool.close()  # now, not whenever the loader is collected: a worker's open map keeps its pages resident
+    del loader, ds, pool
     release_handles()
     return {"resident_before": resident, "epochs": epochs, "threads": threads}
 
