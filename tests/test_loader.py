@@ -206,7 +206,7 @@ for path in sys.argv[1:]:
 
     reader = threading.Thread(target=read_stored, daemon=True)
     reader.start()
-    train = packer.make_loader(ds, batch_size=8, shuffle=True)  # decodes on threads in this process
+    train = packer.make_loader(ds, batch_size=8, shuffle=True, num_workers=0)  # decodes on threads in this process
     it = iter(train)
     seen = len(next(it)[1])  # the prefetch thread now decodes the next batches
     for _ in range(10):  # anything that forks meanwhile: multiprocessing, subprocess with preexec_fn...

@@ -104,8 +104,10 @@ def configs(augment: bool) -> list[tuple[str, str, bool, bool]]:
 
 def loader_kwargs(mode: str, drop_last: bool) -> dict:
     kwargs = {"batch_size": BATCH, "shuffle": True, "seed": SEED, "drop_last": drop_last}
-    if mode == "workers":
+    if mode == "workers":  # packer's worker pool
         kwargs.update(num_workers=2, timeout=LIVENESS)
+    else:  # the in-process loader (the default on 2+ cores is the pool)
+        kwargs.update(num_workers=0)
     return kwargs
 
 
