@@ -8,9 +8,12 @@ Each default and why (every one can be overridden by keyword):
   shared memory the main process owns (:mod:`packer.workers`): only the labels cross between processes. Threads
   in the main process share one GIL, with each other and with the training loop: on this project's 2-core
   machine they reached 80-90% of the decode ceiling where the worker processes reach 86-103%, and torch's own
-  workers, which allocate and send every batch, 46-66%. Other packer datasets, and one usable core, decode in
-  the main process on one thread per core, in a background thread ``prefetch_batches`` ahead
-  (``num_workers=0`` asks for that). Other datasets use ``num_workers`` = usable cores, torch's workers;
+  workers, which allocate and send every batch, 46-66%. Other packer datasets decode in the main process on one
+  thread per core, in a background thread ``prefetch_batches`` ahead (``num_workers=0`` asks for that); so do
+  all of them on one core, where processes do not fork (spawn and forkserver re-import a script's main module,
+  which must then be guarded), and where /dev/shm has no room for the batches in flight (a container's default
+  64 MB). Other datasets use ``num_workers`` = usable cores, torch's workers. Under torchrun every count is the
+  rank's share of the node's cores (``LOCAL_WORLD_SIZE``);
 - ``pin_memory``: on when CUDA is available, so the copy to the GPU can be asynchronous;
 - ``persistent_workers``: on, so workers (and their open maps and page-cache-warm handles) survive epochs;
 - ``prefetch_factor``: 4 batches per worker, enough to ride out slow batches without holding much memory;
@@ -43,8 +46,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
 from .sampler import EpochPass, ResumableSampler
-from .system import usable_cores
-from .workers import WorkerPool
+from .system import cores_per_rank
+from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
 
 TUNED = "loader.json"
 
@@ -313,13 +316,21 @@ def _whole_batches(dataset: PackedDataset) -> bool:
             and dataset.output_shape() is not None)
 
 
-def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any]) -> bool:
+def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any], workers: int, batch_size: int,
+                       prefetch_factor: int) -> bool:
     """Whether make_loader gives ``dataset`` packer's worker pool when ``num_workers`` is not given: on two or
-    more cores, outside a daemonic process (which may not start any), with settings the pool carries out."""
-    return (usable_cores() >= 2 and not multiprocessing.current_process().daemon
-            and not set(overrides) - _POOL_SETTINGS and overrides.get("persistent_workers", True)
-            and overrides.get("collate_fn", collate) is collate and overrides.get("worker_init_fn") is None
-            and _whole_batches(dataset))
+    more cores, outside a daemonic process (which may not start any), with settings the pool carries out; where
+    processes fork (spawn and forkserver re-import the main module, which a script must guard with
+    ``if __name__ == "__main__"``: a user who did not ask for processes keeps threads), and where /dev/shm has
+    room for the batches in flight (a container's is 64 MB by default; threads need none)."""
+    if (workers < 2 or multiprocessing.current_process().daemon or set(overrides) - _POOL_SETTINGS
+            or not overrides.get("persistent_workers", True) or overrides.get("collate_fn", collate) is not collate
+            or overrides.get("worker_init_fn") is not None or not _whole_batches(dataset)):
+        return False
+    if overrides.get("multiprocessing_context") is None and default_start_method() != "fork":
+        return False
+    free = shared_memory_free()
+    return free is None or free >= 2 * (workers * prefetch_factor + 2) * slot_bytes(dataset, batch_size)
 
 
 def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -374,17 +385,20 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     cuda = torch.cuda.is_available()
     packed = isinstance(dataset, PackedDataset)
     if packed and "num_workers" not in overrides and "num_workers" not in tuned_values:
-        pooled = threads is None and prefetch_batches is None and _pooled_by_default(dataset, overrides)
-        workers = usable_cores() if pooled else 0
+        cores = cores_per_rank()
+        prefetch_factor = overrides.get("prefetch_factor") or tuned_values.get("prefetch_factor", 4)
+        pooled = threads is None and prefetch_batches is None and _pooled_by_default(
+            dataset, overrides, cores, batch_size, prefetch_factor)
+        workers = cores if pooled else 0
     else:
-        workers = overrides.get("num_workers", tuned_values.get("num_workers", usable_cores()))
+        workers = overrides.get("num_workers", tuned_values.get("num_workers", cores_per_rank()))
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers, "pin_memory": cuda,
                                 "collate_fn": collate, "drop_last": drop_last}
     if workers > 0:
         settings.update(persistent_workers=True, prefetch_factor=tuned_values.get("prefetch_factor", 4),
                         worker_init_fn=seed_worker)
     if threads is None:
-        threads = usable_cores() if workers == 0 and packed else 1
+        threads = cores_per_rank() if workers == 0 and packed else 1
     pin_batches = packed and workers == 0 and cuda and overrides.get("pin_memory", True)
     if pin_batches:
         settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it

@@ -27,6 +27,16 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
+def cores_per_rank() -> int:
+    """This process's share of :func:`usable_cores` when torchrun runs several ranks on the node
+    (``LOCAL_WORLD_SIZE``): each rank's affinity mask is usually the whole node."""
+    try:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        ranks = 1
+    return max(1, usable_cores() // max(1, ranks))
+
+
 def process_context() -> BaseContext:
     """The start method for packer's process pools: fork where the platform has it (workers inherit what the
     parent has loaded, and start at once), else spawn."""

@@ -24,8 +24,10 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import random
+import shutil
 import signal
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -73,7 +75,15 @@ class SharedSlots:
             del self._arrays[slot_id], self._shared[slot_id]
         if found is None:
             found = next(self._ids)
-            shared = shared_tensor((max(rows, self.rows), *self.row_shape), self.dtype)
+            shape = (max(rows, self.rows), *self.row_shape)
+            try:
+                shared = shared_tensor(shape, self.dtype)
+            except RuntimeError:  # torch reserves the pages up front: a full /dev/shm fails here, not by SIGBUS
+                free = shared_memory_free()
+                size = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+                raise PackerError(f"no room in /dev/shm for a batch of {size / 2**20:.1f} MiB "
+                                  f"({'?' if free is None else f'{free / 2**20:.1f}'} MiB free): give the "
+                                  "container more (docker run --shm-size=2g), or pass num_workers=0") from None
             self._shared[found] = shared
             self._arrays[found] = shared.numpy()
         return found, self._arrays[found], dropped
@@ -84,6 +94,25 @@ class SharedSlots:
 
     def __len__(self) -> int:
         return len(self._arrays)
+
+
+def shared_memory_free() -> int | None:
+    """Bytes free in ``/dev/shm``, where torch makes shared memory on Linux (a container's is 64 MB unless
+    ``--shm-size`` says otherwise); None where there is none to ask."""
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return None
+
+
+def default_start_method() -> str:
+    """The start method a DataLoader would use here, without fixing it (``get_start_method()`` would)."""
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
+def slot_bytes(dataset: Any, batch_size: int) -> int:
+    """Bytes of one batch of ``dataset``'s images."""
+    return batch_size * int(np.prod(dataset.output_shape())) * torch.empty((), dtype=dataset.output_dtype()).itemsize
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -179,6 +208,12 @@ class WorkerPool:
         self.pin_memory = pin_memory
         self.copy_out = copy_out or pin_memory
         self.timeout = timeout or None
+        needed, free = (self.depth + 2) * slot_bytes(dataset, batch_size), shared_memory_free()
+        if free is not None and free < needed:
+            warnings.warn(f"packer: /dev/shm has {free / 2**20:.0f} MiB free and the loader keeps about "
+                          f"{needed / 2**20:.0f} MiB of batches there, and stops with an error when it is full: "
+                          "give the container more (docker run --shm-size=2g), or pass num_workers=0",
+                          stacklevel=3)
         ctx = start_context(context)
         seed = int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
         self.conns: list = []
@@ -263,9 +298,11 @@ class WorkerPool:
             self.done[key] = (None, error) if error is not None else (self._batch(array, rows, labels), None)
         for w, process in enumerate(self.processes):
             if not process.is_alive():
+                why = ("/dev/shm is full: give the container more (docker run --shm-size=2g), or pass "
+                       "num_workers=0" if process.exitcode == -signal.SIGBUS else
+                       "out of memory, or killed? make the loader again, or pass num_workers=0")
                 raise PackerError(f"loader worker {w} (pid {process.pid}) exited with code {process.exitcode} "
-                                  f"while reading {self.dataset.root} (out of memory, or killed?); make the "
-                                  "loader again, or pass num_workers=0")
+                                  f"while reading {self.dataset.root}: {why}")
 
     def _batch(self, array: np.ndarray, rows: int, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.from_numpy(array[:rows])

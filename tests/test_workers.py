@@ -7,6 +7,8 @@ import gc
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import h5py
@@ -149,3 +151,51 @@ def test_dropped_loader_stops_its_workers(pack):
                                               != psutil.STATUS_ZOMBIE for pid in pids):
         time.sleep(0.05)
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+SMALL_SHM = """
+import sys, warnings
+import packer
+from packer.errors import PackerError
+
+ds = packer.open_dataset(sys.argv[1])
+print("default", packer.make_loader(ds, 64).num_workers)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loader = packer.make_loader(ds, 64, num_workers=2, timeout=60)
+    try:
+        for _ in loader:  # the pool starts here
+            pass
+        print("read")
+    except PackerError as exc:
+        print("error", exc)
+print("warned", len(caught), caught[0].message if caught else "")
+"""
+
+
+def test_a_small_dev_shm_keeps_threads_by_default_and_is_one_line_when_asked_for(pack):
+    """A container's /dev/shm is 64 MB unless told otherwise: the default loader then keeps to threads, and
+    num_workers=2 warns and stops with a one-line error instead of a bus error. A 4 MiB tmpfs over /dev/shm, in
+    a mount namespace of its own (skipped where that is not allowed)."""
+    dest = pack("lmdb", "jpeg_fixed")  # 112 x 112: 2.3 MiB a batch of 64
+    script = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} -c '{SMALL_SHM}' {dest}"
+    try:
+        result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                                capture_output=True, text=True, timeout=LIVENESS)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if "mount" in result.stderr or "unshare" in result.stderr:
+        pytest.skip(f"no private /dev/shm here: {result.stderr.strip()[:200]}")
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and lines[0] == "default 0", (result.stdout, result.stderr[-2000:])
+    assert lines[1].startswith("error no room in /dev/shm for a batch of 2.3 MiB") and "--shm-size" in lines[1]
+    assert lines[2].startswith("warned 1 packer: /dev/shm has 4 MiB free")
+
+
+def test_ranks_on_one_node_share_its_cores(pack, monkeypatch):
+    """Under torchrun every rank's affinity mask is usually the whole node: each takes its share."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    loader = packer.make_loader(packer.open_dataset(pack("lmdb", "raw")), batch_size=BATCH)
+    share = max(1, usable_cores() // 2)
+    assert loader.num_workers == (share if share >= 2 else 0)
+    assert loader.threads == (1 if share >= 2 else share)
