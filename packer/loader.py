@@ -336,7 +336,9 @@ def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any], worker
 def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, Any] | None:
     """WorkerPool's arguments when ``num_workers`` can be packer's pool: whole batches of one shape, decoded
     without a per-item transform, collated by :func:`collate`, workers kept across epochs; else None."""
-    if (settings["num_workers"] <= 0 or not settings.get("persistent_workers") or set(settings) - _POOL_SETTINGS
+    batched = settings.get("batch_size") is not None or settings.get("batch_sampler") is not None
+    if (settings["num_workers"] <= 0 or not batched or not settings.get("persistent_workers")
+            or set(settings) - _POOL_SETTINGS
             or settings.get("collate_fn") is not collate or settings.get("worker_init_fn") not in (None, seed_worker)
             or not _whole_batches(dataset)):
         return None

@@ -18,7 +18,6 @@ Messages, over one duplex pipe per worker:
 
 from __future__ import annotations
 
-import gc
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -127,9 +126,6 @@ def _sendable(exc: BaseException) -> BaseException:
 def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: int, seed: int) -> None:
     """A worker's loop: decode each batch asked for into its slot, answer with the labels or the error."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle; it stops the workers
-    # a forked worker shares the parent's heap copy-on-write; the cyclic GC writing to every object it inherited
-    # copied those pages one collection at a time (workers' memory grew ~20% over 3 epochs under pytest)
-    gc.freeze()
     torch.set_num_threads(1)
     torch.manual_seed(seed + worker_id)
     random.seed(seed + worker_id)
@@ -218,13 +214,15 @@ class WorkerPool:
         seed = int(torch.empty((), dtype=torch.int64).random_().item()) if seed is None else seed
         self.conns: list = []
         self.processes: list = []
+        # registered first: workers started before a later one fails to start are stopped too
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes)
         for worker_id in range(workers):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_work, args=(dataset, child, worker_id, seed), daemon=True,
                                   name=f"packer-worker-{worker_id}")
+            self.conns.append(parent)
             process.start()
             child.close()
-            self.conns.append(parent)
             self.processes.append(process)
         self.in_flight = [0] * workers  # batches sent to each worker and not answered
         self.has_slot: list[set[int]] = [set() for _ in range(workers)]
@@ -232,7 +230,6 @@ class WorkerPool:
         self.done: dict[tuple[int, int], tuple[Any, BaseException | None]] = {}
         self.passes = itertools.count()
         self.current = -1  # the pass being iterated
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes)
 
     def close(self) -> None:
         """Stop the workers (also done when the pool is garbage-collected, and at exit)."""
@@ -281,7 +278,8 @@ class WorkerPool:
         self.pending[key] = (worker, slot_id, array, len(indices))
 
     def _receive(self) -> None:
-        ready = multiprocessing.connection.wait([*self.conns, *(p.sentinel for p in self.processes)], self.timeout)
+        sentinels = {p.sentinel: w for w, p in enumerate(self.processes)}
+        ready = multiprocessing.connection.wait([*self.conns, *sentinels], self.timeout)
         if not ready:
             raise PackerError(f"no batch from the loader's {len(self.processes)} worker processes in "
                               f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.dataset.root}")
@@ -296,13 +294,14 @@ class WorkerPool:
             if key[0] != self.current:
                 continue  # an abandoned pass's batch: its slot is free again
             self.done[key] = (None, error) if error is not None else (self._batch(array, rows, labels), None)
-        for w, process in enumerate(self.processes):
-            if not process.is_alive():
-                why = ("/dev/shm is full: give the container more (docker run --shm-size=2g), or pass "
-                       "num_workers=0" if process.exitcode == -signal.SIGBUS else
-                       "out of memory, or killed? make the loader again, or pass num_workers=0")
-                raise PackerError(f"loader worker {w} (pid {process.pid}) exited with code {process.exitcode} "
-                                  f"while reading {self.dataset.root}: {why}")
+        for w in [sentinels[r] for r in ready if r in sentinels]:  # a worker ended: only close() ends one
+            process = self.processes[w]
+            process.join(1)  # its exit code
+            why = ("/dev/shm is full: give the container more (docker run --shm-size=2g), or pass num_workers=0"
+                   if process.exitcode == -signal.SIGBUS else
+                   "out of memory, or killed? make the loader again, or pass num_workers=0")
+            raise PackerError(f"loader worker {w} (pid {process.pid}) exited with code {process.exitcode} while "
+                              f"reading {self.dataset.root}: {why}")
 
     def _batch(self, array: np.ndarray, rows: int, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.from_numpy(array[:rows])
