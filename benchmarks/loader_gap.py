@@ -1,4 +1,4 @@
-"""Where the in-process loader loses against the decode ceiling, one layer at a time, side by side in one process.
+"""Where the loaders lose against the decode ceiling, one layer at a time, side by side in one process.
 
     python benchmarks/loader_gap.py DEST [--crop 224] [--rounds 3]
 
@@ -10,7 +10,10 @@ the fraction of the decode ceiling (``packer bench``'s, :func:`packer.bench.deco
 - ``read_batch x1``: whole batches, one thread;
 - ``rows x2``: two plain threads, each through the row decoder into its own reused row: no batches, no loader;
 - ``read_batch x2``: whole batches on two threads (``read_batch(threads=2)``), in order;
-- ``loader``: an epoch of ``make_loader(ds, 64)``, shuffled, prefetched in the background.
+- ``loader threads``: an epoch of ``make_loader(ds, 64, num_workers=0)``: the in-process loader, decode threads,
+  shuffled, prefetched in the background;
+- ``loader pool``: an epoch of ``make_loader(ds, 64)``: the default, packer's worker pool where it applies
+  (:mod:`packer.workers`), else the same as ``loader threads``.
 
 Each figure is the median of ``--rounds`` rounds, the rounds of every layer interleaved, so that the host's
 drifting speed touches them all alike.
@@ -28,6 +31,7 @@ import simplejpeg
 
 import packer
 from packer.bench import decode_rates
+from packer.decoding import decode_buffer
 from packer.formats.base import Sample
 
 
@@ -51,7 +55,7 @@ def main() -> None:
         return count / (time.perf_counter() - start)
 
     def rows(lo: int, hi: int) -> int:
-        row, decode_row = np.empty(shape, np.uint8), ds.row_decoder()
+        row, decode_row = decode_buffer(int(np.prod(shape))).reshape(shape), ds.row_decoder()  # as a batch's
         for i in range(lo, hi):
             decode_row(i, samples[i], row, 0)
         return hi - lo
@@ -69,15 +73,18 @@ def main() -> None:
             ds.read_batch(batch, threads=threads)
         return n
 
-    loader = packer.make_loader(ds, 64, tuned=False)
-    for _ in loader:  # open the files, start the decode threads
-        pass
+    loaders = {"loader threads": packer.make_loader(ds, 64, tuned=False, num_workers=0),
+               "loader pool": packer.make_loader(ds, 64, tuned=False)}
+    for loader in loaders.values():
+        for _ in loader:  # open the files, start the decode threads or worker processes
+            pass
 
-    def epoch() -> int:
+    def epoch(loader) -> int:
         return sum(len(labels) for _, labels in loader)
 
     layers = {"rows x1": lambda: rows(0, n), "read_batch x1": lambda: batches_on(1), "rows x2": two_threads,
-              "read_batch x2": lambda: batches_on(2), "loader": epoch}
+              "read_batch x2": lambda: batches_on(2),
+              **{name: (lambda loader=loader: epoch(loader)) for name, loader in loaders.items()}}
     if isinstance(payloads[0], bytes) and payloads[0][:2] == b"\xff\xd8":
         layers = {"simplejpeg x1": lambda: sum(1 for p in payloads if simplejpeg.decode_jpeg(p) is not None),
                   **layers}

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..decoding import decode_buffer
 from ..formats.base import Sample
 from ..system import process_context, usable_cores
 from .cache import BLOCK, EVICTED_BELOW, evict, release_handles, resident_fraction
@@ -71,7 +72,8 @@ def _pool_init(state: dict[str, Any]) -> None:
     _POOL.clear()
     _POOL.update(state)
     shape = state["dataset"].output_shape()
-    _POOL["out"] = None if shape is None else np.empty(shape, np.uint8)  # one batch row, reused as a batch is
+    # one batch row, reused as a batch is, and placed as a batch's rows are (where decodes run fastest)
+    _POOL["out"] = None if shape is None else decode_buffer(int(np.prod(shape))).reshape(shape)
     _POOL["decode_row"] = state["dataset"].row_decoder()
 
 
