@@ -40,9 +40,9 @@ def placed_empty(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = 
     fastest (:data:`packer.decoding.DECODE_OFFSET`, whose comment has the measurements) rather than on the
     allocator's 64-byte boundary; unpinned, in numpy's memory (:func:`~packer.decoding.decode_buffer`)."""
     if not pin_memory and dtype in _NUMPY_DTYPES:
-        flat = decode_buffer(_nbytes(shape, dtype))
+        flat = decode_buffer(tensor_bytes(shape, dtype))
         return torch.from_numpy(flat.view(_NUMPY_DTYPES[dtype]).reshape(shape))
-    flat = torch.empty(_nbytes(shape, dtype) + DECODE_SLACK, dtype=torch.uint8, pin_memory=pin_memory)
+    flat = torch.empty(tensor_bytes(shape, dtype) + DECODE_SLACK, dtype=torch.uint8, pin_memory=pin_memory)
     return _placed(flat, shape, dtype)
 
 
@@ -50,11 +50,12 @@ def shared_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor in shared memory, made there directly: ``torch.empty(...).share_memory_()``
     allocates it on the heap first and copies it over, and a forked worker's allocations then reuse the freed
     heap chunks it inherited, copying them page by page (workers' memory grew ~30% over 8 epochs)."""
-    storage = torch.UntypedStorage._new_shared(_nbytes(shape, dtype) + DECODE_SLACK)
+    storage = torch.UntypedStorage._new_shared(tensor_bytes(shape, dtype) + DECODE_SLACK)
     return _placed(torch.empty(0, dtype=torch.uint8).set_(storage), shape, dtype)
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
     return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -63,7 +64,7 @@ def _placed(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> t
     at the first :func:`~packer.decoding.decode_start`; a 224 x 224 x 3 image is 150,528 bytes, a multiple of
     64, so every image of the batch starts there too."""
     start = decode_start(flat.data_ptr())
-    return flat[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+    return flat[start:start + tensor_bytes(shape, dtype)].view(dtype).view(shape)
 
 
 class BatchPool:
@@ -103,7 +104,7 @@ class BatchPool:
             for array in self._arrays:
                 if sys.getrefcount(array) == self._UNREFERENCED and array.shape == shape and array.dtype == np_dtype:
                     return torch.from_numpy(array)
-            array = decode_buffer(_nbytes(shape, dtype)).view(np_dtype).reshape(shape)
+            array = decode_buffer(tensor_bytes(shape, dtype)).view(np_dtype).reshape(shape)
             if len(self._arrays) >= self.keep:
                 self._drop_one_free()
             if len(self._arrays) < self.keep:

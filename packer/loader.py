@@ -316,16 +316,24 @@ def _whole_batches(dataset: PackedDataset) -> bool:
             and dataset.output_shape() is not None)
 
 
+def _pool_serves(dataset: PackedDataset, settings: dict[str, Any]) -> bool:
+    """Whether packer's WorkerPool can make the batches of a loader with these DataLoader ``settings``: images of
+    one shape decoded without a per-item transform, collated by :func:`collate`, workers kept across epochs, and
+    no setting the pool does not carry out."""
+    return (bool(settings.get("persistent_workers")) and not set(settings) - _POOL_SETTINGS
+            and settings.get("collate_fn") is collate and settings.get("worker_init_fn") in (None, seed_worker)
+            and _whole_batches(dataset))
+
+
 def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any], workers: int, batch_size: int,
                        prefetch_factor: int) -> bool:
     """Whether make_loader gives ``dataset`` packer's worker pool when ``num_workers`` is not given: on two or
-    more cores, outside a daemonic process (which may not start any), with settings the pool carries out; where
-    processes fork (spawn and forkserver re-import the main module, which a script must guard with
+    more cores, outside a daemonic process (which may not start any), where the pool serves the settings asked
+    for; where processes fork (spawn and forkserver re-import the main module, which a script must guard with
     ``if __name__ == "__main__"``: a user who did not ask for processes keeps threads), and where /dev/shm has
     room for the batches in flight (a container's is 64 MB by default; threads need none)."""
-    if (workers < 2 or multiprocessing.current_process().daemon or set(overrides) - _POOL_SETTINGS
-            or not overrides.get("persistent_workers", True) or overrides.get("collate_fn", collate) is not collate
-            or overrides.get("worker_init_fn") is not None or not _whole_batches(dataset)):
+    asked = {"collate_fn": collate, "persistent_workers": True, **overrides}  # make_loader's defaults for workers
+    if workers < 2 or multiprocessing.current_process().daemon or not _pool_serves(dataset, asked):
         return False
     if overrides.get("multiprocessing_context") is None and default_start_method() != "fork":
         return False
@@ -334,13 +342,8 @@ def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any], worker
 
 
 def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """WorkerPool's arguments when ``num_workers`` can be packer's pool: whole batches of one shape, decoded
-    without a per-item transform, collated by :func:`collate`, workers kept across epochs; else None."""
-    batched = settings.get("batch_size") is not None or settings.get("batch_sampler") is not None
-    if (settings["num_workers"] <= 0 or not batched or not settings.get("persistent_workers")
-            or set(settings) - _POOL_SETTINGS
-            or settings.get("collate_fn") is not collate or settings.get("worker_init_fn") not in (None, seed_worker)
-            or not _whole_batches(dataset)):
+    """WorkerPool's arguments when ``num_workers`` can be packer's pool (:func:`_pool_serves`), else None."""
+    if settings["num_workers"] <= 0 or not _pool_serves(dataset, settings):
         return None
     pin = bool(settings.get("pin_memory")) and torch.cuda.is_available()
     return {"dataset": dataset, "workers": settings["num_workers"], "batch_size": settings.get("batch_size") or 1,

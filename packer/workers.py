@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffers import shared_tensor
+from .buffers import shared_tensor, tensor_bytes
 from .errors import PackerError
 
 
@@ -78,8 +78,7 @@ class SharedSlots:
             try:
                 shared = shared_tensor(shape, self.dtype)
             except RuntimeError:  # torch reserves the pages up front: a full /dev/shm fails here, not by SIGBUS
-                free = shared_memory_free()
-                size = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+                free, size = shared_memory_free(), tensor_bytes(shape, self.dtype)
                 raise PackerError(f"no room in /dev/shm for a batch of {size / 2**20:.1f} MiB "
                                   f"({'?' if free is None else f'{free / 2**20:.1f}'} MiB free): give the "
                                   "container more (docker run --shm-size=2g), or pass num_workers=0") from None
@@ -111,7 +110,7 @@ def default_start_method() -> str:
 
 def slot_bytes(dataset: Any, batch_size: int) -> int:
     """Bytes of one batch of ``dataset``'s images."""
-    return batch_size * int(np.prod(dataset.output_shape())) * torch.empty((), dtype=dataset.output_dtype()).itemsize
+    return tensor_bytes((batch_size, *dataset.output_shape()), dataset.output_dtype())
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -273,7 +272,10 @@ class WorkerPool:
                     self.conns[w].send(("forget", forgotten))
         shared = None if slot_id in self.has_slot[worker] else self.slots.shared(slot_id)
         self.has_slot[worker].add(slot_id)
-        self.conns[worker].send(("batch", key, slot_id, shared, indices))
+        try:
+            self.conns[worker].send(("batch", key, slot_id, shared, indices))
+        except OSError:  # its end of the pipe closed: the worker is gone
+            self._ended(worker)
         self.in_flight[worker] += 1
         self.pending[key] = (worker, slot_id, array, len(indices))
 
@@ -295,13 +297,17 @@ class WorkerPool:
                 continue  # an abandoned pass's batch: its slot is free again
             self.done[key] = (None, error) if error is not None else (self._batch(array, rows, labels), None)
         for w in [sentinels[r] for r in ready if r in sentinels]:  # a worker ended: only close() ends one
-            process = self.processes[w]
-            process.join(1)  # its exit code
-            why = ("/dev/shm is full: give the container more (docker run --shm-size=2g), or pass num_workers=0"
-                   if process.exitcode == -signal.SIGBUS else
-                   "out of memory, or killed? make the loader again, or pass num_workers=0")
-            raise PackerError(f"loader worker {w} (pid {process.pid}) exited with code {process.exitcode} while "
-                              f"reading {self.dataset.root}: {why}")
+            self._ended(w)
+
+    def _ended(self, worker: int) -> None:
+        """Raise the one-line error for a worker process that ended."""
+        process = self.processes[worker]
+        process.join(1)  # its exit code
+        why = ("/dev/shm is full: give the container more (docker run --shm-size=2g), or pass num_workers=0"
+               if process.exitcode == -signal.SIGBUS else
+               "out of memory, or killed? make the loader again, or pass num_workers=0")
+        raise PackerError(f"loader worker {worker} (pid {process.pid}) exited with code {process.exitcode} while "
+                          f"reading {self.dataset.root}: {why}")
 
     def _batch(self, array: np.ndarray, rows: int, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         images = torch.from_numpy(array[:rows])

@@ -149,6 +149,8 @@ def test_a_killed_worker_is_an_error_not_a_hang(pack):
     with pytest.raises(PackerError, match=r"loader worker 0 \(pid \d+\) exited with code -9"):
         for _ in it:
             pass
+        for _ in loader:  # a worker killed after answering all of this epoch's batches fails the next one
+            pass
 
 
 def test_dropped_loader_stops_its_workers(pack):
