@@ -125,3 +125,21 @@ def test_kill_9_of_packer_pack_leaves_no_conversion_worker(tmp_path):
         proc.wait()
         raise
     kill_and_check(proc, workers)
+
+
+def test_workers_started_from_a_thread_outlive_that_thread(packed):
+    """The parent-death signal follows the thread that forked: a pool started while a thread iterated (then
+    ended) must keep serving the next epoch, so it is set only for workers forked from the main thread."""
+    import threading
+
+    ds = packer.open_dataset(packed, resize=24, center_crop=24)
+    loader = packer.make_loader(ds, batch_size=8, num_workers=2, tuned=False, shuffle=False)
+    first: list[int] = []
+    thread = threading.Thread(target=lambda: first.extend(int(y) for _, labels in loader for y in labels))
+    thread.start()
+    thread.join(TIMEOUT)
+    assert loader.worker_pool is not None and len(first) == len(ds)
+    time.sleep(0.5)  # a signal sent when the thread ended would have arrived
+    assert [int(y) for _, labels in loader for y in labels] == first
+    assert all(p.is_alive() for p in loader.worker_pool.processes)
+    loader.worker_pool.close()
