@@ -161,9 +161,13 @@ def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, des
     # one upload of a URL at a time: held from before anything is deleted until the last file is sent (pack
     # below locks the staging folder only while it converts); under torchrun rank 0 holds it for every rank
     lock = OutputLock(staging.parent / f"{staging.name}.upload", shown=dest) if rank == 0 else nullcontext()
-    with lock:
-        return _pack_and_upload(pack, src, dest, remote, format, staging, context, overwrite or resume, resume,
-                                storage_options, **options)
+    try:
+        with lock:
+            return _pack_and_upload(pack, src, dest, remote, format, staging, context, overwrite or resume, resume,
+                                    storage_options, **options)
+    finally:
+        if context is not None:  # also when the lock is refused: the other ranks then stop too
+            context.close()
 
 
 def _pack_and_upload(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, dest: str, remote: RemoteUrl,
