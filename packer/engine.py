@@ -10,9 +10,7 @@ one process; :mod:`packer.distributed` runs it once per rank, on one part of the
 from __future__ import annotations
 
 import bisect
-import ctypes
 import json
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -37,7 +35,7 @@ from .lock import check_parts_free
 from .manifest import FORMAT_VERSION
 from .options import PackOptions
 from .sources import SampleReader, Source, open_source
-from .system import process_context, usable_cores
+from .system import close_fds, die_with_parent, process_context, usable_cores
 from .transforms import TransformSpec
 
 CHUNK = 16
@@ -61,26 +59,34 @@ def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: Tra
 _READER: SampleReader | None = None  # the source's reader, in each worker process
 
 
-def _init_worker(reader: SampleReader) -> None:
+def _init_worker(reader: SampleReader, forked_from: list[ProcessPoolExecutor]) -> None:
     global _READER
     _ignore_sigint()
-    _die_with_parent()
+    # A worker left blocked on the pool's queue outlives a killed converter (seen after a full disk, with Python
+    # 3.11's Pool) and keeps its stdout and stderr open, so whoever waits for the command's output waits forever:
+    # it closes the converter's ends of the queues (so that it reads their end of file), and is killed with it.
+    for pool in forked_from:
+        close_fds(_parent_fds(pool))
+    die_with_parent()
     _READER = reader  # given once per worker (inherited through fork): chunks then carry only indices
 
 
-def _die_with_parent() -> None:
-    """On Linux, a worker is killed when the converter dies. Without it, a worker left blocked on the pool's
-    queue lock after an error outlives the converter (seen after a full disk, with Python 3.11's Pool) and keeps
-    its stdout and stderr open, so whoever waits for the command's output waits forever."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = mp.parent_process()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent is not None and os.getppid() != parent.pid:  # the converter died before prctl
-        os._exit(1)
+def _parent_fds(pool: ProcessPoolExecutor) -> list[int]:
+    """The descriptors of ``pool`` that only its owner uses: the writing end of the task queue and the reading
+    end of the results, and the pipes of the workers started before this one. A forked worker closes its copies
+    (read through the executor's attributes; none where a Python version names them otherwise)."""
+    fds = []
+    for queue, end in ((getattr(pool, "_call_queue", None), "_writer"), (getattr(pool, "_result_queue", None),
+                                                                         "_reader")):
+        conn = getattr(queue, end, None)
+        if conn is not None and not conn.closed:
+            fds.append(conn.fileno())
+    wakeup = getattr(getattr(pool, "_executor_manager_thread_wakeup", None), "_reader", None)
+    if wakeup is not None and not wakeup.closed:
+        fds.append(wakeup.fileno())
+    for process in list(getattr(pool, "_processes", {}).values()):
+        fds.append(process.sentinel)
+    return fds
 
 
 def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tuple]:
@@ -360,7 +366,11 @@ class _Conversion:
                     self.consume(_convert_items(reader, chunk, self.spec))
                 return
             ctx = process_context()
-            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(reader,))
+            forked_from: list[ProcessPoolExecutor] = []  # the pool, in each forked worker's copy of memory
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(reader, forked_from))
+            if ctx.get_start_method() == "fork":
+                forked_from.append(pool)  # before the first worker forks (at the first submit)
             try:
                 pending: deque = deque()
                 window = 4 * workers  # chunks in flight: bounds memory whatever the dataset size

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
 from .sampler import EpochPass, ResumableSampler
-from .system import cores_per_rank
+from .system import cores_per_rank, die_with_parent
 from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
 
 TUNED = "loader.json"
@@ -67,6 +67,9 @@ def collate(batch: list) -> Any:
 
 
 def seed_worker(worker_id: int) -> None:
+    """``worker_init_fn`` of packer's DataLoaders: the worker dies with the process that started it, and seeds
+    ``random`` and numpy from torch's per-worker seed."""
+    die_with_parent()
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)

@@ -1,4 +1,4 @@
-"""One writer per output folder: an OS lock (``fcntl.flock``) on a small file next to the folder.
+"""One writer per output folder: an OS lock (:func:`packer.system.lock_file`) on a small file next to the folder.
 
 A conversion into DEST holds ``.DEST.packer-lock`` in DEST's parent folder from before it prepares DEST (which
 ``--overwrite`` may empty) until its manifest is written; under torchrun each rank also holds
@@ -12,7 +12,6 @@ A file system without working locks (some network mounts) gets a warning and no 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import socket
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from .dest import PART_DIR
 from .errors import DestinationBusyError, DestinationError, warn
+from .system import lock_file, unlock_file
 
 SUFFIX = ".packer-lock"
 PART_SUFFIX = ".packer-part-lock"  # never the end of a DEST's lock name: DEST "x.part-00001" is not x's part
@@ -42,14 +42,15 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 def lock_path(dest: str | os.PathLike, part: str | None = None) -> Path:
-    """The lock file of ``dest`` (or of its part folder ``part``): in DEST's parent, whatever the spelling of
-    the path, so that every process writing that folder locks the same file."""
-    dest = Path(os.path.abspath(dest))
+    """The lock file of ``dest`` (or of its part folder ``part``): in the parent of DEST's real path (symbolic
+    links, symbolically linked parents, ``..`` and relative spellings resolved), so that every process writing
+    that folder locks the same file however it names it."""
+    dest = Path(os.path.realpath(dest))
     name, suffix = (f"{dest.name}.{part}", PART_SUFFIX) if part else (dest.name, SUFFIX)
     lock_name = f".{name}{suffix}"
     if len(os.fsencode(lock_name)) > NAME_MAX:  # DEST's own name is near the limit
         lock_name = f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}{suffix}"
-    return dest.parent.resolve() / lock_name
+    return dest.parent / lock_name
 
 
 def _holder(fd: int) -> str:
@@ -61,9 +62,9 @@ def _holder(fd: int) -> str:
         return ""
 
 
-def _busy(folder: Path, holder: str) -> DestinationBusyError:
-    return DestinationBusyError(f"{folder} is being written by another packer process{holder}; wait for it or "
-                                "stop it")
+def _busy(folder: Path, holder: str, shown: str | None = None) -> DestinationBusyError:
+    what = f"{shown} is being uploaded" if shown else f"{folder} is being written"
+    return DestinationBusyError(f"{what} by another packer process{holder}; wait for it or stop it")
 
 
 def check_free(dest: Path, part: str | None = None) -> None:
@@ -80,11 +81,12 @@ def check_free(dest: Path, part: str | None = None) -> None:
     except OSError:
         return  # no lock file: nobody holds it (or it cannot be told here; acquiring it will)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _busy(folder, _holder(fd)) from None
+        free = lock_file(fd, exclusive=False, blocking=False)
     except OSError:
-        pass
+        free = True  # it cannot be told here; acquiring it will
+    try:
+        if not free:
+            raise _busy(folder, _holder(fd))
     finally:
         os.close(fd)
 
@@ -102,10 +104,17 @@ def check_parts_free(dest: Path) -> None:
 
 
 class OutputLock:
-    """The lock of an output folder, held from :meth:`acquire` to :meth:`release` (or the ``with`` block)."""
+    """The lock of an output folder, held from :meth:`acquire` to :meth:`release` (or the ``with`` block).
 
-    def __init__(self, dest: str | os.PathLike, part: str | None = None):
+    Args:
+        dest: the folder.
+        part: the part folder in ``dest`` that a torchrun rank writes (its own lock).
+        shown: the name the busy error gives instead of the folder's: the URL an upload stages ``dest`` for.
+    """
+
+    def __init__(self, dest: str | os.PathLike, part: str | None = None, shown: str | None = None):
         self.dest = Path(dest)
+        self.shown = shown
         self.folder = self.dest / part if part else self.dest
         self.path = lock_path(self.dest, part)
         self.fd: int | None = None
@@ -145,14 +154,14 @@ class OutputLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
-                raise _busy(self.folder, holder) from None
+                locked = lock_file(fd, exclusive=True, blocking=False)
             except BaseException:
                 os.close(fd)
                 raise
+            if not locked:
+                holder = _holder(fd)
+                os.close(fd)
+                raise _busy(self.folder, holder, self.shown)
             # The previous holder removes the file when it releases: a file opened just before that is no
             # longer the lock file, so lock the one at the path now.
             try:
@@ -172,6 +181,9 @@ class OutputLock:
         except OSError:
             pass  # left behind, harmless: the next writer locks it
         _held.discard(self.fd)
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        try:
+            unlock_file(self.fd)
+        except OSError:
+            pass  # closing unlocks too
         os.close(self.fd)
         self.fd = None

@@ -27,7 +27,7 @@ from .manifest import read_manifest
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
 from .sampler import STATE_VERSION, distributed_rank_world
-from .system import usable_cores
+from .system import die_with_parent, usable_cores
 from .transforms import decode
 
 # settings a stream state must share with the stream that loads it: they fix which batch comes when
@@ -77,6 +77,11 @@ def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Ite
         k = int(rng.integers(len(buffer)))
         buffer[k], buffer[-1] = buffer[-1], buffer[k]
         yield buffer.pop()
+
+
+def _die_with_parent(worker_id: int) -> None:
+    """``worker_init_fn``: a streaming worker dies with the process that started it."""
+    die_with_parent()
 
 
 class StreamPlan:
@@ -209,7 +214,8 @@ class StreamLoader:
     def _handed_out(self, plan: StreamPlan, start: int, received: list[int]) -> Iterator:
         workers = self.settings["workers"]
         loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=4 if workers else None)
+                            prefetch_factor=4 if workers else None,
+                            worker_init_fn=_die_with_parent if workers else None)
         for batch in loader:
             if start + received[0] >= plan.batches:
                 break

@@ -1,11 +1,28 @@
-"""What this machine lets packer use."""
+"""What this machine lets packer use, and the platform code packer's processes rely on: file locks, and worker
+processes that end with the process that started them."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import multiprocessing as mp
 import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable
 from multiprocessing.context import BaseContext
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:  # POSIX
+    msvcrt = None
 
 
 def usable_cores() -> int:
@@ -41,3 +58,86 @@ def process_context() -> BaseContext:
     """The start method for packer's process pools: fork where the platform has it (workers inherit what the
     parent has loaded, and start at once), else spawn."""
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+
+def lock_file(fd: int, exclusive: bool = True, blocking: bool = True) -> bool:
+    """Lock the open file ``fd`` for this open file (``fcntl.flock`` on POSIX; on Windows ``msvcrt.locking`` of
+    its first byte, always exclusive). The lock goes with the file's last close, and with the process.
+
+    Returns:
+        True once locked; False when ``blocking`` is off and another open file holds the lock.
+
+    Raises:
+        OSError: the file system cannot lock, or this Python has no way to (neither fcntl nor msvcrt).
+    """
+    if fcntl is not None:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            return False
+        return True
+    if msvcrt is not None:
+        while True:
+            os.lseek(fd, 0, os.SEEK_SET)
+            try:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EDEADLK):
+                    raise
+            if not blocking:
+                return False
+            time.sleep(0.05)
+    raise OSError(errno.ENOLCK, "this Python has neither fcntl nor msvcrt, so packer cannot lock files")
+
+
+def unlock_file(fd: int) -> None:
+    """Undo :func:`lock_file` (closing the file does too)."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    elif msvcrt is not None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+
+# Which thread forked this process, and from which process: the parent-death signal follows the thread that
+# forked, so it is set only in a child forked from its parent's main thread (a worker forked from a thread that
+# ends would be killed with that thread).
+_forked_by: tuple[int, bool] | None = None
+
+
+def _before_fork() -> None:
+    global _forked_by
+    _forked_by = (os.getpid(), threading.current_thread() is threading.main_thread())
+
+
+os.register_at_fork(before=_before_fork)
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    """Close these descriptors, those that are open: in a forked worker, the parent's ends of pipes and other
+    workers' pipes, which would keep the worker from seeing its parent go away."""
+    for fd in set(fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def die_with_parent() -> None:
+    """In a worker process just forked: be killed (SIGKILL) when the parent dies, through Linux's
+    ``PR_SET_PDEATHSIG``; exit at once if the parent is already gone. A no-op where the platform has no such
+    signal, in a child not forked (spawned), and in one forked from a thread other than its parent's main thread.
+    A worker that closes the descriptors it does not own (:func:`close_fds`) still sees its pipe's end of file."""
+    if not sys.platform.startswith("linux") or _forked_by is None:
+        return
+    parent, from_main = _forked_by
+    if from_main:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent:  # the parent died before prctl: nobody would send the signal
+        os._exit(1)

@@ -36,6 +36,7 @@ import torch
 
 from .buffers import shared_tensor, tensor_bytes
 from .errors import PackerError
+from .system import close_fds, die_with_parent
 
 
 class SharedSlots:
@@ -122,8 +123,14 @@ def _sendable(exc: BaseException) -> BaseException:
         return PackerError(f"{type(exc).__name__}: {exc}")
 
 
-def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: int, seed: int) -> None:
-    """A worker's loop: decode each batch asked for into its slot, answer with the labels or the error."""
+def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: int, seed: int,
+          not_mine: list[int]) -> None:
+    """A worker's loop: decode each batch asked for into its slot, answer with the labels or the error.
+    ``not_mine``: the descriptors a forked worker closes (the main process's pipe ends and earlier workers'
+    process pipes), so that it reads its pipe's end of file when the main process dies; the parent-death signal
+    backs that up."""
+    close_fds(not_mine)
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle; it stops the workers
     torch.set_num_threads(1)
     torch.manual_seed(seed + worker_id)
@@ -215,11 +222,13 @@ class WorkerPool:
         self.processes: list = []
         # registered first: workers started before a later one fails to start are stopped too
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes)
+        forked = ctx.get_start_method() == "fork"
         for worker_id in range(workers):
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_work, args=(dataset, child, worker_id, seed), daemon=True,
-                                  name=f"packer-worker-{worker_id}")
             self.conns.append(parent)
+            not_mine = [c.fileno() for c in self.conns] + [p.sentinel for p in self.processes] if forked else []
+            process = ctx.Process(target=_work, args=(dataset, child, worker_id, seed, not_mine), daemon=True,
+                                  name=f"packer-worker-{worker_id}")
             process.start()
             child.close()
             self.processes.append(process)

@@ -30,3 +30,42 @@ def test_pack_info_verify_export_import_no_torch(tmp_path):
         assert "packer.cli" in modules  # the listing is real
         assert not {m for m in modules if m == "torch" or m.startswith("torch.")}, args[0]
     assert sorted(p.name for p in (tmp_path / "out" / "ant").iterdir()) == ["0.jpg", "2.jpg"]
+
+
+WITHOUT_FCNTL = """
+import runpy, sys
+sys.modules["fcntl"] = None  # as on Windows: "import fcntl" raises ImportError
+if sys.argv[1] == "cli":
+    sys.argv = ["packer", *sys.argv[2:]]
+    runpy.run_module("packer", run_name="__main__")
+import packer
+src, dest = sys.argv[2], sys.argv[3]
+packer.pack(src, dest, "lmdb", workers=1, progress=False)
+ds = packer.open_dataset(dest, resize=16, center_crop=16)
+loader = packer.make_loader(ds, batch_size=2, num_workers=0, tuned=False)  # the threaded loader
+print(len(ds), sum(len(labels) for _, labels in loader))
+"""
+
+
+def test_packer_works_without_fcntl(tmp_path):
+    """Windows has no ``fcntl``: ``import packer``, pack, info, verify, open_dataset and the threaded loader
+    work without it; the only sign is one warning line saying that DEST cannot be locked, and why."""
+    src, dest = tmp_path / "src", tmp_path / "ds"
+    for i in range(4):
+        write_image(src / ("ant", "bee")[i % 2] / f"{i}.jpg", width=20, height=16, seed=i)
+
+    def run(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", WITHOUT_FCNTL, *map(str, args)], capture_output=True,
+                              text=True, timeout=300)
+
+    proc = run("python", src, dest)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["4", "4"]
+    assert proc.stderr.splitlines() == [
+        f"packer: warning: {dest}: cannot lock it ({tmp_path / '.ds.packer-lock'}: this Python has neither fcntl "
+        "nor msvcrt, so packer cannot lock files), so packer cannot tell whether another process writes into it; "
+        "make sure none does"]
+    for args in (("info", dest), ("verify", dest, "--deep")):
+        proc = run("cli", *args)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""

@@ -127,3 +127,77 @@ def test_the_lock_is_the_same_however_dest_is_spelled(tmp_path):
         tmp_path / "real" / "sub" / ".." / "ds")
     assert lock_path(tmp_path / ("n" * 250)).parent == tmp_path  # a name near the limit still gets a lock file
     assert lock_path(tmp_path / "ds", "part-00001") != lock_path(tmp_path / "ds.part-00001")
+
+
+def test_a_dest_reached_through_a_symlink_and_by_its_real_path_is_one_dest(noisy_src, tmp_path):
+    """Issue 23's data loss: A packs through a symbolic link, B ``--overwrite``s the same folder by its real path
+    (and by a symlinked parent, ``..`` and a relative spelling) while A runs: each B is refused with the busy
+    line, and A's output is intact."""
+    lk = tmp_path / "lk"
+    (lk / "real" / "D").mkdir(parents=True)
+    (lk / "real" / "sub").mkdir()
+    (lk / "L").symlink_to("real/D")
+    (lk / "P").symlink_to("real")
+    first = start_held(noisy_src, lk / "L")
+    try:
+        for spelling in (lk / "real" / "D", lk / "P" / "D", lk / "real" / "sub" / ".." / "D"):
+            assert_busy(run("pack", noisy_src, spelling, "--format", "lmdb", "--quiet", "--overwrite"), spelling,
+                        first.pid)
+        relative = subprocess.run(cli("pack", noisy_src, "real/D", "--format", "lmdb", "--quiet", "--overwrite"),
+                                  capture_output=True, text=True, timeout=TIMEOUT, cwd=lk)
+        assert relative.returncode == 1, relative.stderr
+        assert len(relative.stderr.splitlines()) == 1
+        assert f"is being written by another packer process (pid {first.pid} " in relative.stderr
+        assert (lk / "real" / "D" / MARKER).exists()  # no --overwrite deleted anything
+    finally:
+        _, err = first.communicate(timeout=TIMEOUT)
+    assert first.returncode == 0, err.splitlines()[-3:]
+    assert_verifies(lk / "real" / "D")
+    assert packer.read_manifest(lk / "real" / "D")["count"] == 8
+
+
+def test_the_lock_follows_symlinked_parents_and_dotdot_physically(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "to_b").symlink_to(tmp_path / "a" / "b")
+    # ``c/to_b/..`` is ``a`` on disk, not ``c``: the lock goes where the folder is
+    assert lock_path(tmp_path / "c" / "to_b" / ".." / "ds") == lock_path(tmp_path / "a" / "ds")
+    assert lock_path(tmp_path / "c" / "to_b" / "ds", "part-00001") == lock_path(tmp_path / "a" / "b" / "ds",
+                                                                                 "part-00001")
+    here = os.getcwd()
+    os.chdir(tmp_path / "c")
+    try:
+        assert lock_path("to_b/ds") == lock_path(tmp_path / "a" / "b" / "ds")
+    finally:
+        os.chdir(here)
+
+
+def test_a_second_upload_to_the_same_url_is_refused_while_the_first_runs(noisy_src, tmp_path):
+    from remote_support import S3Server
+
+    server = S3Server()
+    env = dict(os.environ, PACKER_CACHE_DIR=str(tmp_path / "cache"), PACKER_RETRY_BACKOFF="0.01")
+    url = "s3://bucket/busy"
+    try:
+        first = subprocess.Popen(cli("pack", noisy_src, url, "--format", "lmdb", "--quiet", "--workers", "2"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + TIMEOUT
+        while not list((tmp_path / "cache" / "staging").glob(f"*/{MARKER}")):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first upload never started converting"
+            time.sleep(0.05)
+        try:
+            for extra in (["--overwrite"], ["--resume"], []):
+                second = subprocess.run(cli("pack", noisy_src, url, "--format", "lmdb", "--quiet", *extra),
+                                        capture_output=True, text=True, timeout=TIMEOUT, env=env)
+                assert second.returncode == 1, second.stderr
+                assert second.stderr.splitlines() == [
+                    f"packer: error: {url} is being uploaded by another packer process (pid {first.pid} on "
+                    f"{socket.gethostname()}); wait for it or stop it"]
+        finally:
+            _, err = first.communicate(timeout=TIMEOUT)
+        assert first.returncode == 0, err.splitlines()[-3:]
+        info = subprocess.run(cli("verify", url), capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        assert info.returncode == 0, info.stdout + info.stderr
+    finally:
+        server.stop()

@@ -17,7 +17,6 @@ and abandoned downloads inside ``tmp/``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from ..errors import RemoteError, UsageError
 from ..options import parse_bytes
+from ..system import lock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 
@@ -104,7 +104,7 @@ class Cache:
         except OSError:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            lock_file(fd, exclusive=False)
             # evicted between the open and the lock: the name no longer leads to the file this fd holds
             if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
                 raise FileNotFoundError(path)
@@ -118,13 +118,7 @@ class Cache:
     def _locked(self, path: Path, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
-            try:
-                fcntl.flock(fd, flags)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
+            yield lock_file(fd, exclusive=not shared, blocking=blocking)
         finally:
             os.close(fd)
 
@@ -146,7 +140,7 @@ class Cache:
                 path = self.object_path(sha256)
                 path.parent.mkdir(exist_ok=True)
                 os.replace(tmp, path)
-                fcntl.flock(fd, fcntl.LOCK_SH)  # the reservation's lock becomes the pin: no gap to evict it in
+                lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
                 os.utime(path)
                 return Pin(path, fd)
             except BaseException:
@@ -162,7 +156,7 @@ class Cache:
             if self.limit is not None:
                 self._make_room(size)
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # an abandoned download is one whose lock is free
+            lock_file(fd)  # an abandoned download is one whose lock is free
             os.ftruncate(fd, size)
         return fd
 
@@ -207,8 +201,10 @@ class Cache:
         except OSError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            locked = lock_file(fd, blocking=False)
+        except OSError:
+            locked = False
+        if not locked:
             os.close(fd)
             return False
         try:

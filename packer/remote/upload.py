@@ -15,11 +15,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from ..dest import PART_DIR
 from ..errors import DestinationError, PackerError, UrlError
+from ..lock import OutputLock
 from ..manifest import JOURNAL, MANIFEST
 from .cache import Cache
 from .fetch import retrying
@@ -146,7 +148,7 @@ def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, des
         DestinationError: ``dest`` already holds a dataset (without ``overwrite``/``resume``), or files of an
             interrupted upload (without ``resume``/``overwrite``).
     """
-    from ..distributed import PART, TIMEOUT_ENV, detect
+    from ..distributed import detect
 
     remote = parse_url(dest)
     if remote.protocol in READ_ONLY:
@@ -154,17 +156,36 @@ def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, des
                        "and serve that over HTTP")
     context = detect(options.pop("distributed", None))  # the process group pack() then joins, under torchrun
     rank = context.rank if context is not None else 0
+    cache = Cache(cache_dir)
+    staging = cache.root / "staging" / cache.view(remote.url).name
+    # one upload of a URL at a time: held from before anything is deleted until the last file is sent (pack
+    # below locks the staging folder only while it converts); under torchrun rank 0 holds it for every rank
+    lock = OutputLock(staging.parent / f"{staging.name}.upload", shown=dest) if rank == 0 else nullcontext()
+    try:
+        with lock:
+            return _pack_and_upload(pack, src, dest, remote, format, staging, context, overwrite or resume, resume,
+                                    storage_options, **options)
+    finally:
+        if context is not None:  # also when the lock is refused: the other ranks then stop too
+            context.close()
+
+
+def _pack_and_upload(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, dest: str, remote: RemoteUrl,
+                     format: str, staging: Path, context: Any, replacing: bool, resume: bool,
+                     storage_options: dict | None, **options: Any) -> dict[str, Any]:
+    """:func:`pack_to_url`'s work, under its lock."""
+    from ..distributed import PART, TIMEOUT_ENV
+
+    rank = context.rank if context is not None else 0
     fs = filesystem(remote.protocol, storage_options)
     existing = _listing(fs, remote)
     finished = MANIFEST in existing
-    if existing and not (overwrite or resume):
+    if existing and not replacing:
         what = "a packed dataset" if finished else f"{len(existing)} files but no {MANIFEST} (an interrupted upload?)"
         raise DestinationError(f"{dest}: already holds {what}; pass --overwrite to replace it, or --resume to "
                                "finish an interrupted one")
     if finished and rank == 0:  # first: no reader may pair the old manifest with new files
         retrying(lambda: fs.rm_file(remote.join(MANIFEST)), remote.join(MANIFEST), "delete")
-    cache = Cache(cache_dir)
-    staging = cache.root / "staging" / cache.view(remote.url).name
     staging.parent.mkdir(parents=True, exist_ok=True)
     again = resume and ((staging / MANIFEST).exists() or (staging / JOURNAL).exists())
     try:
@@ -191,3 +212,4 @@ def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, des
         retrying(lambda url=url: fs.rm_file(url), url, "delete")
     shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
