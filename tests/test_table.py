@@ -236,3 +236,57 @@ def test_an_unreadable_image_or_mask_is_skipped_and_listed(tmp_path, run_packer)
     assert manifest["count"] == 1
     assert {s["path"] for s in manifest["skipped"]} == {"images/img1.jpg", "images/img2.jpg"}
     assert "masks/img2.png: mask is 5x5, its image 80x56" in json.dumps(manifest["skipped"])
+
+
+@pytest.fixture(scope="session")
+def laion_shards(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Two LAION/CC3M-style shards written by webdataset: .jpg + .txt + .json, no label."""
+    root = tmp_path_factory.mktemp("laion")
+    samples = []
+    for s in range(2):
+        with webdataset.TarWriter(str(root / f"laion-{s}.tar")) as sink:
+            for i in range(4):
+                key = f"{s:02d}{i:04d}"
+                buf = io.BytesIO()
+                write_image(root / "tmp.jpg", 40 + i, 30, seed=s * 10 + i)
+                buf.write((root / "tmp.jpg").read_bytes())
+                sample = {"__key__": key, "jpg": buf.getvalue(), "txt": f"a photo of astronaut {s}-{i}",
+                          "json": {"url": f"http://x/{key}.jpg", "width": 40 + i}}
+                sink.write(sample)
+                samples.append(sample)
+    return root, samples
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_foreign_shards_keep_every_member_as_a_field(laion_shards, tmp_path, run_packer, fmt):
+    root, samples = laion_shards
+    result = run_packer("pack", f"{root}/laion-*.tar", tmp_path / "out", "--format", fmt)
+    assert result.returncode == 0, result.stderr
+    reader = open_reader(tmp_path / "out")
+    assert [(f.name, f.kind) for f in reader.schema] == [("image", "image"), ("json", "json"), ("txt", "text")]
+    assert reader.classes == []
+    by_relpath = _by_relpath(reader)
+    for sample in samples:
+        i = by_relpath[next(p for p in by_relpath if p.endswith(f"/{sample['__key__']}.jpg"))]
+        fields = reader.read_fields(i, verify=True)
+        assert bytes(fields["txt"]).decode() == sample["txt"]
+        assert json.loads(bytes(fields["json"])) == sample["json"]
+        assert bytes(reader.read(i).payload) == sample["jpg"]  # store original: the exact bytes
+    if fmt == "wds":  # and the output is what webdataset users expect: .jpg + .txt + .json
+        names = tarfile.open(next((tmp_path / "out").glob("shard-*.tar"))).getnames()
+        assert {n.split(".", 1)[1] for n in names} == {"jpg", "txt", "json", "packer.json"}
+
+
+def test_a_label_key_still_picks_the_class_and_must_be_an_integer(laion_shards, tmp_path, run_packer):
+    root, _ = laion_shards
+    result = run_packer("pack", f"{root}/laion-*.tar", tmp_path / "out", "--format", "lmdb", "--label-key", "txt")
+    assert result.returncode != 0 and "is not an integer class index" in result.stderr
+    result = run_packer("pack", f"{root}/laion-*.tar", tmp_path / "out", "--format", "lmdb",
+                        "--label-key", "json:width")
+    assert result.returncode == 0, result.stderr
+    reader = open_reader(tmp_path / "out")
+    assert reader.classes == [str(i) for i in range(44)] and label_names(reader) == {"json", "txt"}
+
+
+def label_names(reader) -> set[str]:
+    return {f.name for f in reader.extra_fields}
