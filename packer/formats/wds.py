@@ -7,6 +7,14 @@ Each sample is three adjacent members named by a dot-free key, the 9-digit sampl
 distributed conversion each rank's part (``part-00000/shard-000000.tar``...) numbers its keys from its first
 position in the output order, so keys stay unique across parts.
 
+A dataset with fields beyond the image and its class (the manifest's ``fields``) adds one member per extra field
+after those, in the manifest's order, named ``000000042.NAME.EXT`` (``000000042.EXT`` when the field is named
+as its extension, as foreign ``txt``/``json`` members are): text ``txt``, JSON ``json``, an integer ``cls``
+(ASCII digits), other numbers and vectors ``npy``, bytes ``bin``, a mask ``png``, a second image under its own
+extension: the names the ``webdataset`` library decodes. Without a class field there is no ``.cls`` member; when
+a field is named ``json``, packer's own member is ``000000042.packer.json``. The json member records the
+fields' checksum (``fields_crc32``).
+
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
 written under ``.tmp`` names and renamed once complete.
@@ -43,10 +51,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import CorruptDataError, PackerError, warn
+from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
+from .wds_members import image_ext, member_bytes, member_suffix, npy_bytes, stored_bytes
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -69,14 +79,6 @@ def default_shard_samples(count: int, estimated_bytes: int, shard_bytes: int) ->
     return max(1, min(math.ceil(count / shards), (count - 1) // (shards - 1)))
 
 
-def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
-    """The .npy file of a raw payload, and the length of its header."""
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.frombuffer(payload, dtype=dtype).reshape(shape), allow_pickle=False)
-    data = buf.getvalue()
-    return data, len(data) - len(payload)
-
-
 class WdsWriter(Writer):
     RESUMES_FROM = "its last complete shard"
     READ_IN_ORDER = True  # shards are read sequentially (webdataset, packer.stream)
@@ -84,7 +86,12 @@ class WdsWriter(Writer):
              PARTIAL_INDEX)
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec)
+        super().__init__(dest, spec, options)
+        schema = options.get("schema") or ()
+        self.has_label = not schema or label_field(schema) is not None
+        self.meta_ext = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        if self.has_label and any(member_suffix(f) == "cls" for f in self.extra_fields):
+            raise PackerError(f"{dest}: field 'cls' would be a second .cls member beside the class; rename it")
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
@@ -156,26 +163,34 @@ class WdsWriter(Writer):
         self.shards, self.count = shards, count
         return count
 
-    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
+    def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
         keyname = f"{self.key_offset + self.count:09d}"
         if item.ext == "raw":
             data, header = npy_bytes(item.payload, item.shape, self.spec.dtype)
             ext = "npy"
         else:
             data, header, ext = item.payload, 0, item.ext
-        meta = json.dumps({"relpath": relpath, "label": label,
-                           "class": self.classes[label] if label < len(self.classes) else str(label),
-                           "shape": list(item.shape)}, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        info: dict[str, Any] = {"relpath": relpath, "label": label, "shape": list(item.shape)}
+        if self.has_label:
+            info["class"] = self.classes[label] if 0 <= label < len(self.classes) else str(label)
+        members = [(f"{keyname}.{ext}", data)]
+        if self.has_label:
+            members.append((f"{keyname}.cls", str(label).encode("ascii")))
+        if self.extra_fields:
+            info["fields_crc32"] = fields_crc32(extras)
+        meta = json.dumps(info, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        members.append((f"{keyname}.{self.meta_ext}", meta))
+        members += [(f"{keyname}.{member_suffix(field, image_ext(value) if field.dense else '')}",
+                     member_bytes(field, value)) for field, value in zip(self.extra_fields, extras, strict=True)]
         full = self.tar is not None and (
             self.in_shard >= self.shard_samples
-            or (self.shard_bytes and self._size_after(len(data), len(str(label)), len(meta)) > self.shard_bytes))
+            or (self.shard_bytes and self._size_after(*(len(m) for _, m in members)) > self.shard_bytes))
         durable = None
         if self.tar is None or full:
             durable = self.count if self.tar is not None else None
             self._start_shard()
-        offset = self._add(f"{keyname}.{ext}", data) + header
-        self._add(f"{keyname}.cls", str(label).encode("ascii"))
-        json_offset = self._add(f"{keyname}.json", meta)
+        offsets = [self._add(name, member) for name, member in members]
+        offset, json_offset = offsets[0] + header, offsets[len(members) - len(extras) - 1]
         if self.count >= len(self.index):
             self.index = np.resize(self.index, 2 * len(self.index))
         self.index[self.count] = (len(self.shards) - 1, offset, len(item.payload), json_offset, len(meta), label,
@@ -215,87 +230,126 @@ def _sample_key(name: str) -> tuple[str, str] | None:
     return name[: len(name) - len(base)] + key, ext.lower()
 
 
-def scan_shards(paths: list[Path], label_key: str = "cls", skipped: list[tuple[str, str]] | None = None,
-                classes: int | None = None) -> tuple[np.ndarray, list[str]]:
-    """Index shards written by any WebDataset tool: one row per sample that has an image member and a label.
+_IMAGE = "\0image"  # in a sample's members: which extension is its image
+
+
+def scan_shards(paths: list[Path], label_key: str | None = "cls", skipped: list[tuple[str, str]] | None = None,
+                classes: int | None = None) -> ForeignShards:
+    """Index shards written by any WebDataset tool: one row per sample that has an image member.
 
     The label comes from the ``cls`` member, or with ``label_key="json:NAME"`` from a field of the ``json``
     member; it must be a class index: an integer (or a string of digits) from 0 to ``classes - 1``
-    (default: below :data:`MAX_SHARD_CLASSES`).
+    (default: below :data:`MAX_SHARD_CLASSES`). With ``label_key=None`` the label is the ``cls`` member where
+    the shards have one, and there is none (label -1) where no sample has one. Every other member is kept as a
+    field (:func:`shard_field`); a sample without a member that others have is skipped.
 
     Refused with an error naming the shard and the member: member names with absolute paths or ``..``; a
     missing label; a label that is not a class index (negative, ``1.7``, ``true``, over the cap). Left out and
     appended to ``skipped`` as ``("SHARD/MEMBER", why)``: link members (symbolic or hard; webdataset readers
     skip them too) and other members that are not regular files; every member of a key whose image or label
-    member appears twice (which copy is meant is unknown); a key with no image member ("SHARD/KEY")."""
+    member appears twice (which copy is meant is unknown); a key with no image member ("SHARD/KEY"); a key
+    without a field member other keys have."""
     skipped = [] if skipped is None else skipped
     limit = MAX_SHARD_CLASSES if classes is None else classes
-    rows, relpaths = [], []
-    for shard_id, path in enumerate(paths):
-        try:
-            tar = tarfile.open(path, "r:")
-        except (OSError, tarfile.TarError) as exc:
-            raise CorruptDataError(f"{path}: not a readable tar shard ({exc})") from None
-        with tar:
-            samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-            repeated: dict[str, str] = {}  # key -> the member name seen twice
-            noted: set[str] = set()  # keys that already have an entry in skipped
-            try:
-                for member in tar:
-                    if not is_safe_relpath(member.name):
-                        raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
-                                               "refusing to read this shard")
-                    if member.isdir():
-                        continue
-                    parsed = _sample_key(member.name)
-                    if not member.isfile():
-                        kind = _LINK_KINDS.get(member.type, "special file")
-                        skipped.append((f"{path.name}/{member.name}",
-                                        f"a {kind} in the shard, not a file; skipped (only regular members are read)"))
-                        noted.add(parsed[0] if parsed else member.name)
-                        continue
-                    if parsed is None:
-                        continue
-                    k, ext = parsed
-                    if ext in samples.setdefault(k, {}):
-                        repeated.setdefault(k, member.name)
-                    samples[k][ext] = member
-            except tarfile.TarError as exc:
-                raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
-            for k, members in samples.items():
-                image_ext = next((e for e in IMAGE_EXTS if e in members), None)
-                if k in repeated:
-                    skipped.append((f"{path.name}/{repeated[k]}", "appears twice in the shard; which copy is meant "
-                                                                  "is unknown, so the sample is skipped"))
-                    continue
-                if image_ext is None:
-                    if k not in noted:
-                        skipped.append((f"{path.name}/{k}", f"no image member ({', '.join(IMAGE_EXTS)}); skipped"))
-                    continue
-                label = _read_label(tar, members, label_key, path, k, limit, classes is not None)
-                img = members[image_ext]
-                offset, size = img.offset_data, img.size
-                if image_ext == "npy":
-                    header = tar.extractfile(img).read(min(size, 4096))
-                    arr_shape, header_len = _npy_header(header, f"{path}: member {img.name!r}")
-                    offset, size = offset + header_len, size - header_len
-                else:
-                    arr_shape = (0, 0, 0)
-                rows.append((shard_id, offset, size, 0, 0, label, 0, arr_shape))
-                relpaths.append(f"{path.name}/{img.name}")
+    found = [(shard_id, path, key, members) for shard_id, path in enumerate(paths)
+             for key, members in _shard_samples(path, skipped)]
+    if label_key is None:
+        label_key = "cls" if any("cls" in members for *_, members in found) else None
+    label_ext = None if label_key is None or label_key.startswith("json:") else label_key
+    exts = sorted({e for *_, members in found for e in members if e not in (label_ext, members[_IMAGE])} - {_IMAGE})
+    fields = [shard_field(ext) for ext in exts]
+    rows, relpaths, offsets = [], [], []
+    for shard_id, path, key, members in found:
+        missing = next((e for e in exts if e not in members), None)
+        if missing is not None:
+            skipped.append((f"{path.name}/{key}", f"no .{missing} member, which other samples have; skipped"))
+            continue
+        with open(path, "rb") as f:
+            label = -1 if label_key is None else _read_label(f, members, label_key, path, key, limit,
+                                                            classes is not None)
+            img = members[members[_IMAGE]]
+            offset, size, arr_shape = img.offset_data, img.size, (0, 0, 0)
+            if members[_IMAGE] == "npy":
+                f.seek(offset)
+                arr_shape, header_len = _npy_header(f.read(min(size, 4096)), f"{path}: member {img.name!r}")
+                offset, size = offset + header_len, size - header_len
+        rows.append((shard_id, offset, size, 0, 0, label, 0, arr_shape))
+        relpaths.append(f"{path.name}/{img.name}")
+        offsets.append([(members[e].offset_data, members[e].size) for e in exts])
     index = np.array(rows, dtype=INDEX_DTYPE) if rows else np.zeros(0, INDEX_DTYPE)
-    return index, relpaths
+    members_index = np.array(offsets, dtype=np.uint64).reshape(len(rows), len(exts), 2)
+    return ForeignShards(index, np.array(relpaths, dtype=str), members_index, fields, label_key is not None)
 
 
-def _read_label(tar: tarfile.TarFile, members: dict, label_key: str, path: Path, key: str, limit: int,
-                given: bool) -> int:
+def shard_field(ext: str) -> Field:
+    """The field a foreign member becomes, by its extension: ``txt`` text, ``json`` JSON, ``cls`` an integer,
+    an image extension a second image, anything else bytes; ``caption.txt`` is the text field ``caption``."""
+    base, _, last = ext.rpartition(".")
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", base or last)
+    kind = {"txt": "text", "text": "text", "json": "json", "cls": "int64"}.get(last)
+    if kind is None:
+        kind = "image" if last in IMAGE_EXTS and last != "npy" else "bytes"
+    return Field(name, kind)
+
+
+def _shard_samples(path: Path, skipped: list[tuple[str, str]]) -> list[tuple[str, dict]]:
+    """``(key, {extension: member, "\\0image": the image's extension})`` of each sample of a shard with an image."""
+    try:
+        tar = tarfile.open(path, "r:")
+    except (OSError, tarfile.TarError) as exc:
+        raise CorruptDataError(f"{path}: not a readable tar shard ({exc})") from None
+    samples: dict[str, dict[str, Any]] = {}
+    repeated: dict[str, str] = {}  # key -> the member name seen twice
+    noted: set[str] = set()  # keys that already have an entry in skipped
+    with tar:
+        try:
+            for member in tar:
+                if not is_safe_relpath(member.name):
+                    raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
+                                           "refusing to read this shard")
+                if member.isdir():
+                    continue
+                parsed = _sample_key(member.name)
+                if not member.isfile():
+                    kind = _LINK_KINDS.get(member.type, "special file")
+                    skipped.append((f"{path.name}/{member.name}",
+                                    f"a {kind} in the shard, not a file; skipped (only regular members are read)"))
+                    noted.add(parsed[0] if parsed else member.name)
+                    continue
+                if parsed is None:
+                    continue
+                k, ext = parsed
+                if ext in samples.setdefault(k, {}):
+                    repeated.setdefault(k, member.name)
+                samples[k][ext] = member
+            tar.members = []  # the index keeps what it needs; the TarInfos of a big shard need not stay
+        except tarfile.TarError as exc:
+            raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
+    out = []
+    for k, members in samples.items():
+        image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+        if k in repeated:
+            skipped.append((f"{path.name}/{repeated[k]}", "appears twice in the shard; which copy is meant "
+                                                          "is unknown, so the sample is skipped"))
+            continue
+        if image_ext is None:
+            if k not in noted:
+                skipped.append((f"{path.name}/{k}", f"no image member ({', '.join(IMAGE_EXTS)}); skipped"))
+            continue
+        members[_IMAGE] = image_ext
+        out.append((k, members))
+    return out
+
+
+def _read_label(f: Any, members: dict, label_key: str, path: Path, key: str, limit: int, given: bool) -> int:
     """The label of sample ``key``: a class index below ``limit`` (``given``: the caller's class count)."""
     name, field = ("json", label_key[5:]) if label_key.startswith("json:") else (label_key, None)
     member = members.get(name)
     try:
         if member is None:
             raise KeyError(f"no {name!r} member")
-        data = tar.extractfile(member).read()
+        f.seek(member.offset_data)
+        data = f.read(member.size)
         value = json.loads(data)[field] if field is not None else data.decode("ascii").strip()
     except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
         where = f"{path}: member {member.name!r}" if member is not None else f"{path}: sample {key!r}"
@@ -335,10 +389,14 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
 
 
 class ForeignShards(NamedTuple):
-    """The index :func:`scan_shards` built of shards packer did not write, and each sample's relative path."""
+    """The index :func:`scan_shards` built of shards packer did not write: a row per sample, its relative path,
+    the (offset, size) of each field's member, the fields, and whether samples have a label."""
 
     index: np.ndarray
     relpaths: np.ndarray
+    members: np.ndarray  # (samples, fields, 2) uint64
+    fields: list[Field]
+    labelled: bool
 
 
 class WdsReader(Reader):
@@ -365,11 +423,14 @@ class WdsReader(Reader):
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
     @classmethod
-    def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
-                    warn_skipped: bool = True) -> WdsReader:
+    def from_shards(cls, paths: list[str | os.PathLike], label_key: str | None = "cls",
+                    classes: list[str] | None = None, warn_skipped: bool = True,
+                    keep_fields: bool = False) -> WdsReader:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
-        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``).
-        The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``.
+        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``;
+        None: ``cls`` where the shards have it, else no label). With ``keep_fields`` every other member is a
+        field (:func:`shard_field`). The index is built once, from the tar headers. Classes default to
+        ``"0"``..``"max label"``.
 
         What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
         in the reader's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
@@ -378,17 +439,23 @@ class WdsReader(Reader):
         if not paths:
             raise PackerError("from_shards needs at least one shard path")
         skipped: list[tuple[str, str]] = []
-        index, relpaths = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        foreign = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        if not keep_fields:  # image and label only
+            foreign = foreign._replace(members=foreign.members[:, :0], fields=[])
+        index = foreign.index
         if len(index) == 0:
-            raise PackerError(f"{paths[0]}: no samples with an image and a {label_key!r} label in these shards")
+            raise PackerError(f"{paths[0]}: no samples with an image in these shards")
         if classes is None:
-            classes = [str(i) for i in range(int(index["label"].max()) + 1)]
+            classes = [str(i) for i in range(int(index["label"].max()) + 1)] if foreign.labelled else []
         root = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
         manifest = {"format": "wds", "count": len(index), "classes": list(classes),
                     "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
                     "shape": None, "checksum": "none",
                     "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
-        reader = cls(root, manifest=manifest, foreign=ForeignShards(index, np.array(relpaths, dtype=str)))
+        if foreign.fields or not foreign.labelled:
+            schema = [PAIR_SCHEMA[0], *([Field("label", "class")] if foreign.labelled else []), *foreign.fields]
+            manifest["fields"] = [f.to_dict() for f in schema]
+        reader = cls(root, manifest=manifest, foreign=foreign)
         reader.skipped = skipped
         if skipped and warn_skipped:
             rel, why = skipped[0]
@@ -454,6 +521,53 @@ class WdsReader(Reader):
                                    "run `packer verify` and re-pack")
         return Sample(memoryview(m)[a:a + size], label, tuple(shape.tolist()), crc if self._has_crc else None)
 
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        """The members after the json member, in order: each header names the field it should be (shards packer
+        did not write: the members their scan found)."""
+        row = self.index[index]
+        if self.foreign is not None:
+            m = memoryview(self._map(int(row["shard"])))
+            where = f"{self.shard_paths[int(row['shard'])]} sample {index}"
+            return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
+                         for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
+        shard = int(row["shard"])
+        m = memoryview(self._map(shard))
+        at = -(-(int(row["json_offset"]) + int(row["json_size"])) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        values = []
+        for field in self.extra_fields:
+            where = f"{self.shard_paths[shard]} sample {index}"
+            try:
+                info = tarfile.TarInfo.frombuf(bytes(m[at:at + tarfile.BLOCKSIZE]), "utf-8", "surrogateescape")
+            except tarfile.TarError:
+                info = None
+            start = at + tarfile.BLOCKSIZE
+            suffix = "" if info is None else info.name.partition(".")[2]
+            if (info is None or not (suffix == field.name or suffix.startswith(field.name + "."))
+                    or start + info.size > len(m)):
+                raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
+                                       "run `packer verify` and re-pack")
+            values.append(stored_bytes(field, m[start:start + info.size], where))
+            at = start + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        return tuple(values)
+
+    def fields_checksum(self, index: int) -> int | None:
+        if self.foreign is not None:
+            return None  # other tools record none
+        crc = self._info(index).get("fields_crc32")
+        return crc if isinstance(crc, int) else None
+
+    def _info(self, index: int) -> dict:
+        """Packer's json member of sample ``index``."""
+        row = self.index[index]
+        a, size = int(row["json_offset"]), int(row["json_size"])
+        try:
+            info = json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))
+            if isinstance(info, dict):
+                return info
+        except ValueError:
+            pass
+        raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+
     def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
             return self._as_array(index, sample, "uint8")
@@ -463,12 +577,10 @@ class WdsReader(Reader):
         if self.foreign is not None:
             return str(self.foreign.relpaths[index])
         self.open()
-        row = self.index[index]
-        a, size = int(row["json_offset"]), int(row["json_size"])
-        try:
-            return json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))["relpath"]
-        except (ValueError, KeyError):
-            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack") from None
+        relpath = self._info(index).get("relpath")
+        if not isinstance(relpath, str):
+            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+        return relpath
 
     def describe(self, index: int) -> str:
         if self.index is not None and 0 <= index < len(self.index):
@@ -507,12 +619,15 @@ class WdsReader(Reader):
     def _member_problem(self, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, shard_no: int,
                         key_offset: int) -> list[str]:
         key, _, ext = member.name.partition(".")
-        if ext not in ("cls", "json") or not key.isdigit() or not 0 <= int(key) - key_offset < len(self):
+        meta = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        if ext not in ("cls", meta) or label_field(self.schema) is None or not key.isdigit():
+            return []
+        if not 0 <= int(key) - key_offset < len(self):
             return []
         index = int(key) - key_offset
         data = tar.extractfile(member).read()
         try:
-            label = int(data) if ext == "cls" else int(json.loads(data)["label"])
+            label = int(data) if ext == "cls" else int(json.loads(data)["label"])  # packer's json member
         except (ValueError, KeyError, TypeError):
             label = None
         row = self.index[index]
