@@ -156,7 +156,10 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
         lines.append(f"  normalized: mean {t['mean']}, std {t['std']}")
     if manifest.get("shards"):
         counts = [s["count"] for s in manifest["shards"]]
+        from .formats.wds import brace_pattern
+
         lines.append(f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each")
+        lines.append(f"  webdataset: {brace_pattern(dest, [s['path'] for s in manifest['shards']])}")
     if manifest.get("parts"):
         lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
     order = manifest.get("order", {})
@@ -187,12 +190,13 @@ def export(dest, out, overwrite, quiet) -> None:
 @main.command()
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option("--deep", is_flag=True, help="Also check every sample's checksum, decode it, check shape and label.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def verify(dest, deep) -> None:
+def verify(dest, deep, quiet) -> None:
     """Check DEST against its manifest; print each problem with its file and sample; exit 1 if any."""
     from .verify import verify as run_verify
 
-    problems = run_verify(dest, deep=deep)
+    problems = run_verify(dest, deep=deep, progress=not quiet)
     for problem in problems:
         click.echo(problem)
     if problems:
