@@ -162,6 +162,7 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
         lines.append(f"  webdataset: {brace_pattern(dest, [s['path'] for s in manifest['shards']])}")
     if manifest.get("parts"):
         lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
+    lines += class_count_lines(dest, manifest)
     order = manifest.get("order", {})
     lines.append(f"  order: {'shuffled, seed ' + str(order.get('seed')) if order.get('shuffle') else 'scan order'}")
     for entry in manifest.get("skipped", []):
@@ -169,6 +170,24 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
     return lines
+
+
+def class_count_lines(dest: str, manifest: dict) -> list[str]:
+    """Samples per class and in total, read from a local dataset's records (none for a URL: that would fetch it)."""
+    from .formats import open_reader
+    from .remote.url import parse_url
+
+    if parse_url(dest) is not None:
+        return []
+    try:
+        reader = open_reader(dest)
+        reader.open()
+        counts = reader.class_counts()
+    except PackerError as exc:  # info still summarises a damaged dataset; verify names what is wrong
+        return [f"  samples per class: unreadable ({exc}); run packer verify"]
+    width = max(len(c) for c in manifest["classes"]) if manifest["classes"] else 0
+    rows = [f"    {name:<{width}} {int(n):>10,}" for name, n in zip(manifest["classes"], counts, strict=False)]
+    return ["  samples per class:", *rows, f"    {'total':<{width}} {int(counts.sum()):>10,}"]
 
 
 @main.command()

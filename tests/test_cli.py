@@ -364,14 +364,17 @@ def test_info_errors(run_packer, tmp_path, cli_src):
     assert_one_line_error(run_packer("info", bad), bad)
 
 
-def test_info_gives_webdataset_a_brace_pattern(run_packer, cli_src, tmp_path):
-    """`packer info` on wds prints the shards as a brace pattern that the webdataset library expands as is."""
+def test_info_gives_class_counts_and_webdataset_a_brace_pattern(run_packer, cli_src, tmp_path):
+    """`packer info` prints samples per class and in total, and on wds the shards as a brace pattern that the
+    webdataset library expands as is."""
     import webdataset
 
     dest = tmp_path / "out"
     assert_ok(run_packer("pack", cli_src, dest, "--format", "wds", "--quiet", "--shard-samples", "5"))
     proc = run_packer("info", dest)
     assert_ok(proc)
+    assert [line.split() for line in proc.stdout.split("samples per class:\n")[1].splitlines()[:4]] == [
+        ["ant", "6"], ["bee", "8"], ["zz_empty", "0"], ["total", "14"]]
     pattern = next(line.split("webdataset: ", 1)[1] for line in proc.stdout.splitlines() if "webdataset: " in line)
     assert pattern == f"{dest}/shard-{{000000..000002}}.tar"
     assert sum(1 for _ in webdataset.WebDataset(pattern, shardshuffle=False)) == 14
