@@ -163,9 +163,13 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
         lines.append(f"  normalized: mean {t['mean']}, std {t['std']}")
     if manifest.get("shards"):
         counts = [s["count"] for s in manifest["shards"]]
+        from .formats.wds import brace_pattern
+
         lines.append(f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each")
+        lines.append(f"  webdataset: {brace_pattern(dest, [s['path'] for s in manifest['shards']])}")
     if manifest.get("parts"):
         lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
+    lines += class_count_lines(dest, manifest)
     order = manifest.get("order", {})
     lines.append(f"  order: {'shuffled, seed ' + str(order.get('seed')) if order.get('shuffle') else 'scan order'}")
     if "fields" in manifest:
@@ -175,6 +179,24 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
     return lines
+
+
+def class_count_lines(dest: str, manifest: dict) -> list[str]:
+    """Samples per class and in total, read from a local dataset's records (none for a URL: that would fetch it)."""
+    from .formats import open_reader
+    from .remote.url import parse_url
+
+    if parse_url(dest) is not None or not manifest["classes"]:
+        return []  # a URL: counting would fetch the data; no classes: the header line has the total
+    try:
+        reader = open_reader(dest)
+        reader.open()
+        counts = reader.class_counts()
+    except PackerError as exc:  # info still summarises a damaged dataset; verify names what is wrong
+        return [f"  samples per class: unreadable ({exc}); run packer verify"]
+    width = max(len(c) for c in manifest["classes"]) if manifest["classes"] else 0
+    rows = [f"    {name:<{width}} {int(n):>10,}" for name, n in zip(manifest["classes"], counts, strict=False)]
+    return ["  samples per class:", *rows, f"    {'total':<{width}} {int(counts.sum()):>10,}"]
 
 
 @main.command()
@@ -196,12 +218,13 @@ def export(dest, out, overwrite, quiet) -> None:
 @main.command()
 @click.argument("dest", type=click.Path(path_type=str))
 @click.option("--deep", is_flag=True, help="Also check every sample's checksum, decode it, check shape and label.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def verify(dest, deep) -> None:
+def verify(dest, deep, quiet) -> None:
     """Check DEST against its manifest; print each problem with its file and sample; exit 1 if any."""
     from .verify import verify as run_verify
 
-    problems = run_verify(dest, deep=deep)
+    problems = run_verify(dest, deep=deep, progress=not quiet)
     for problem in problems:
         click.echo(problem)
     if problems:

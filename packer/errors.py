@@ -7,8 +7,11 @@ import sys
 
 
 def warn(message: str) -> None:
-    """One line on stderr; warnings print even with --quiet."""
-    print(f"packer: warning: {message}", file=sys.stderr, flush=True)
+    """One line on stderr; warnings print even with --quiet, on their own line above any progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"packer: warning: {message}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 class PackerError(Exception):

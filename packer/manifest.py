@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from .distribution import pip_hint
 from .errors import IncompleteDatasetError, ManifestError
 
 MANIFEST = "manifest.json"
@@ -75,7 +76,7 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
             raise ManifestError(f"{where}: missing or malformed {key!r}; the dataset is damaged, re-pack it")
     if data["format_version"] > FORMAT_VERSION:
         raise ManifestError(f"{where}: format version {data['format_version']} is newer than this packer reads "
-                            f"({FORMAT_VERSION}); upgrade packer (pip install -U packer)")
+                            f"({FORMAT_VERSION}); upgrade packer ({pip_hint()})")
     classes = data["classes"]
     if (data["count"] < 0 or not all(isinstance(c, str) for c in classes)
             or data["class_to_idx"] != {c: i for i, c in enumerate(classes)}):

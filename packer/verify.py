@@ -12,6 +12,8 @@ import os
 import zlib
 from pathlib import Path
 
+from tqdm import tqdm
+
 from .decoding import Decoding
 from .errors import PackerError
 from .fields import label_field
@@ -20,12 +22,13 @@ from .manifest import read_manifest, sha256_file
 from .remote.url import parse_url
 
 
-def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
+def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) -> list[str]:
     """Check the packed dataset ``dest`` against its manifest.
 
     Args:
         dest: the dataset folder.
         deep: also check every sample's crc32, decode it, and check its shape and label.
+        progress: show progress bars on stderr when it is a terminal (the files' bytes, then the samples).
 
     Returns:
         The problems found, one line each naming the file (and sample); empty when the dataset is sound.
@@ -41,7 +44,10 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
     manifest = read_manifest(dest)
     problems: list[str] = []
     damaged_files = set()
+    bar = tqdm(total=sum(e["bytes"] for e in manifest["files"]), desc="checking files", unit="B", unit_scale=True,
+               disable=None if progress else True, leave=False)
     for entry in manifest["files"]:
+        bar.update(entry["bytes"])
         path = dest / entry["path"]
         if not path.exists():
             problems.append(f"{path}: missing")
@@ -54,6 +60,7 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
         elif entry.get("sha256") and sha256_file(path) != entry["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest (the file's bytes changed)")
             damaged_files.add(entry["path"])
+    bar.close()
     try:
         reader = open_reader(dest)
         reader.open()
@@ -63,18 +70,20 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
     if damaged_files & set(reader.index_files()):  # every sample's label and location come from it
         deep = True
     if damaged_files or deep:
-        problems += _check_samples(reader, manifest, deep, damaged_files)
+        problems += _check_samples(reader, manifest, deep, damaged_files, progress)
     problems += reader.member_problems(deep, damaged_files)
     return problems
 
 
-def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str]) -> list[str]:
+def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str],
+                   progress: bool = False) -> list[str]:
     problems = []
     n_classes = len(manifest["classes"])
     shape = manifest.get("shape")
     decoding = Decoding(reader)
     has_label = label_field(reader.schema) is not None
-    for i in range(len(reader)):
+    for i in tqdm(range(len(reader)), desc="decoding samples" if deep else "checking samples", unit="img",
+                  disable=None if progress else True, leave=False):
         if not deep and reader.sample_file(i) not in damaged_files:
             continue
         where = reader.describe(i)

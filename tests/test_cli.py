@@ -362,3 +362,53 @@ def test_info_errors(run_packer, tmp_path, cli_src):
     bad.mkdir()
     (bad / "manifest.json").write_text("{not json")
     assert_one_line_error(run_packer("info", bad), bad)
+
+
+def test_info_gives_class_counts_and_webdataset_a_brace_pattern(run_packer, cli_src, tmp_path):
+    """`packer info` prints samples per class and in total, and on wds the shards as a brace pattern that the
+    webdataset library expands as is."""
+    import webdataset
+
+    dest = tmp_path / "out"
+    assert_ok(run_packer("pack", cli_src, dest, "--format", "wds", "--quiet", "--shard-samples", "5"))
+    proc = run_packer("info", dest)
+    assert_ok(proc)
+    assert [line.split() for line in proc.stdout.split("samples per class:\n")[1].splitlines()[:4]] == [
+        ["ant", "6"], ["bee", "8"], ["zz_empty", "0"], ["total", "14"]]
+    pattern = next(line.split("webdataset: ", 1)[1] for line in proc.stdout.splitlines() if "webdataset: " in line)
+    assert pattern == f"{dest}/shard-{{000000..000002}}.tar"
+    assert sum(1 for _ in webdataset.WebDataset(pattern, shardshuffle=False)) == 14
+
+
+def test_verify_shows_a_progress_bar_on_a_terminal_and_warnings_on_their_own_lines(cli_src, tmp_path):
+    """On a terminal, `packer verify --deep` draws a bar on stderr; a warning printed while a bar is up gets a line
+    of its own (tqdm.write), not the end of the bar's line."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    dest = tmp_path / "out"
+    packer.pack(cli_src, dest, format="lmdb", progress=False)
+    code = ("import sys; from tqdm import tqdm; from packer.errors import warn; from packer.verify import verify\n"
+            "bar = tqdm(total=2, desc='bar'); bar.update(1); warn('hello'); bar.close()\n"
+            f"sys.exit(len(verify({str(dest)!r}, deep=True, progress=True)))\n")
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty has 0 columns
+    proc = subprocess.run([sys.executable, "-c", code], stderr=child_fd, stdout=subprocess.PIPE, timeout=120)
+    os.close(child_fd)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main_fd)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "checking files" in text and "decoding samples" in text and "/14 [" in text, text
+    warning = next(line for line in text.split("\n") if "packer: warning: hello" in line)
+    assert warning.rstrip("\r").split("\r")[-1] == "packer: warning: hello", text  # the bar was cleared first

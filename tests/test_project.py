@@ -56,6 +56,8 @@ def environment_packages(environment: dict) -> dict[str, SpecifierSet]:
         if isinstance(entry, dict):  # the pip: section names PyPI packages
             assert set(entry) == {"pip"}, entry
             for req in entry["pip"]:
+                if req.startswith("-e "):  # this checkout itself, installed editable
+                    continue
                 r = Requirement(req)
                 assert r.name.lower() not in out, f"{r.name} listed twice"
                 out[r.name.lower()] = r.specifier
@@ -107,7 +109,31 @@ def test_version_and_entry_point(pyproject):
     assert pyproject["project"]["scripts"]["packer"] == "packer.cli:main"
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "packer.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?\w+)?", packer.__version__)
-    assert version("packer") == packer.__version__  # the installed metadata is this checkout's
+    assert version(pyproject["project"]["name"]) == packer.__version__  # the installed metadata is this checkout's
+
+
+def test_environment_installs_this_checkout_for_the_tests(environment):
+    """`conda env create -f environment.yml` gives an environment where the test command passes: packer itself with
+    its dev extra (pytest, pyyaml...) and matplotlib for the bench chart."""
+    pip = next(entry["pip"] for entry in environment["dependencies"] if isinstance(entry, dict))
+    assert "-e .[dev,bench]" in pip
+
+
+def test_install_hints_name_the_distribution(pyproject):
+    """Every `pip install 'NAME[extra]'` hint in the package and the README names this distribution, not `packer`
+    (another project on PyPI)."""
+    name = pyproject["project"]["name"]
+    assert name != "packer"
+    from packer.distribution import DIST_NAME, pip_hint
+
+    assert DIST_NAME == name
+    assert pip_hint("s3") == f"pip install '{name}[s3]'"
+    texts = {p: p.read_text(encoding="utf-8") for p in [*(REPO / "packer").rglob("*.py"), REPO / "README.md"]}
+    hints = [(p.name, m.group(1)) for p, t in texts.items()
+             for m in re.finditer(r"pip install (?:-U |--upgrade )?['\"]?([A-Za-z][\w.-]*)(?=[\[' \")]|$)", t, re.M)]
+    wrong = [(f, n) for f, n in hints if n.lower() in {"packer", "packer_data"}]
+    assert not wrong, f"install hints naming the wrong distribution: {wrong}"
+    assert any(n == name for _, n in hints), "the README names the distribution"
 
 
 def test_ci_lints_with_ruff():

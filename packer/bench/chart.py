@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..distribution import pip_hint
 from ..errors import warn
 
 COLOURS = ("tab:blue", "tab:orange")
@@ -67,7 +68,7 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warn("matplotlib is not installed, so no chart was drawn; pip install 'packer[bench]'")
+        warn(f"matplotlib is not installed, so no chart was drawn; {pip_hint('bench')}")
         return False
     rows = results["rows"]
     shown = chart_workers(rows)

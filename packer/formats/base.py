@@ -149,6 +149,12 @@ class Reader(ABC):
         """:meth:`read_fields` of several samples."""
         return [self.read_fields(i, verify) for i in indices]
 
+    def class_counts(self) -> np.ndarray:
+        """How many samples each label has (index: label), from the stored records without decoding; the reader
+        is open. Formats with a label index may answer from it. Samples without a class (-1) are not counted."""
+        labels = np.fromiter((self.read(i).label for i in range(len(self))), dtype=np.int64, count=len(self))
+        return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
+
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Formats that can copy a batch of fixed-shape raw images in one call do so into ``out`` and return the
         labels; None means "read them one by one"."""

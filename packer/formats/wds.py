@@ -71,6 +71,24 @@ def shard_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
 
 
+def brace_pattern(dest: str, paths: list[str]) -> str:
+    """The shards as a string the ``webdataset`` library expands: ``DEST/shard-{000000..000012}.tar`` (one
+    range per folder of consecutive shards, ranges joined by ``::``, as ``webdataset.WebDataset`` accepts)."""
+    groups: dict[str, list[int]] = {}
+    for path in paths:
+        m = re.fullmatch(r"(.*?)shard-(\d{6})\.tar", path)
+        if m is None:
+            return "::".join(f"{dest.rstrip('/')}/{p}" for p in paths)
+        groups.setdefault(m.group(1), []).append(int(m.group(2)))
+    out = []
+    for folder, numbers in groups.items():
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))) and len(numbers) > 1:
+            out.append(f"{dest.rstrip('/')}/{folder}shard-{{{numbers[0]:06d}..{numbers[-1]:06d}}}.tar")
+        else:
+            out += [f"{dest.rstrip('/')}/{folder}{shard_name(n)}" for n in numbers]
+    return "::".join(out)
+
+
 def default_shard_samples(count: int, estimated_bytes: int, shard_bytes: int) -> int:
     """Samples per shard: at least MIN_SHARDS shards where there are that many samples, none over shard_bytes."""
     shards = max(MIN_SHARDS, math.ceil(estimated_bytes / shard_bytes))

@@ -10,6 +10,7 @@ import os
 import threading
 from typing import Any
 
+from ..distribution import pip_hint
 from ..errors import PackerError, UrlError
 
 _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
@@ -45,7 +46,7 @@ def filesystem(protocol: str, storage_options: dict | None = None) -> Any:
                 fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
             except ImportError as exc:
                 extra = _EXTRAS.get(protocol)
-                hint = f"pip install 'packer[{extra}]'" if extra else "install the fsspec package for it"
+                hint = pip_hint(extra) if extra else "install the fsspec package for it"
                 raise UrlError(f"{protocol}:// needs a package that is not installed ({exc}); {hint}") from None
             _FILESYSTEMS[key] = fs
     return fs
