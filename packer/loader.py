@@ -45,7 +45,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
-from .sampler import EpochPass, ResumableSampler
+from .sampler import ResumableSampler
+from .state import CountingIterator, Progress
 from .system import cores_per_rank
 from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
 
@@ -107,7 +108,7 @@ class PrefetchLoader(DataLoader):
         self.pin_batches = pin_batches  # batches are made in pinned memory (then pin_memory itself is off)
         self.worker_pool_settings = worker_pool  # num_workers are packer's WorkerPool, started at the first pass
         self._worker_pool: WorkerPool | None = None
-        self._received: Received | None = None  # the latest iteration's pass and the batches handed out of it
+        self._received: Progress | None = None  # the latest iteration's pass and the batches handed out of it
 
     def __iter__(self):
         sampler = self._resumable_sampler()
@@ -122,8 +123,8 @@ class PrefetchLoader(DataLoader):
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
         if epoch_pass is None:
             return iterator
-        self._received = Received(epoch_pass)
-        return _CountingIterator(iterator, self._received)
+        self._received = Progress(epoch_pass, epoch_pass.batches)
+        return CountingIterator(iterator, self._received)
 
     @property
     def worker_pool(self) -> WorkerPool | None:
@@ -134,8 +135,8 @@ class PrefetchLoader(DataLoader):
 
     def __len__(self) -> int:
         received = self._received  # during a pass: its batches (the prefetching sampler may be done with it)
-        if received is not None and received.batches < received.epoch_pass.batches:
-            return received.epoch_pass.batches
+        if received is not None and not received.finished:
+            return received.total
         return super().__len__()
 
     def _resumable_sampler(self) -> ResumableSampler | None:
@@ -162,7 +163,7 @@ class PrefetchLoader(DataLoader):
         received = self._received
         if received is None:
             return sampler.state_dict()
-        return received.epoch_pass.state(received.batches * self.batch_size)
+        return received.plan.state(received.received * self.batch_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration the rest of the epoch ``state`` was taken in (the samples no rank has received
@@ -182,36 +183,6 @@ class PrefetchLoader(DataLoader):
         """Make the next iteration epoch ``epoch`` (each iteration moves to the next epoch by itself)."""
         self._require_resumable().set_epoch(epoch)
         self._received = None
-
-
-class Received:
-    """The pass an iteration makes and how many batches the caller has received from it."""
-
-    __slots__ = ("epoch_pass", "batches")
-
-    def __init__(self, epoch_pass: EpochPass):
-        self.epoch_pass = epoch_pass
-        self.batches = 0
-
-
-class _CountingIterator:
-    """Counts the batches handed to the caller. The loader holds the count, not this iterator, so dropping the
-    iterator still ends the prefetch thread."""
-
-    def __init__(self, iterator, received: Received):
-        self.iterator = iterator
-        self.received = received
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.iterator)
-        self.received.batches += 1
-        return batch
-
-    def __len__(self) -> int:
-        return self.received.epoch_pass.batches
 
 
 _PREFETCHING: set[tuple[threading.Event, threading.Thread]] = set()

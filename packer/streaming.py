@@ -26,7 +26,8 @@ from .formats.wds import IMAGE_EXTS
 from .manifest import read_manifest
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
-from .sampler import STATE_VERSION, distributed_rank_world
+from .sampler import distributed_rank_world
+from .state import STATE_VERSION, CountingIterator, Progress, StateSchema, check_state
 from .system import usable_cores
 from .transforms import decode
 
@@ -179,7 +180,7 @@ class StreamLoader:
         self.settings = dict(settings, world_size=self.world)
         self.dataset = ShardStreams(self.settings, mode, buffer)
         self.epoch, self.resume_at = 0, 0
-        self._received: tuple[StreamPlan, int, list[int]] | None = None  # the pass, its start, batches handed out
+        self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
     def _plan(self) -> StreamPlan:
         return StreamPlan(self.shards, self.epoch, self.settings, self.rank, self.world)
@@ -197,23 +198,21 @@ class StreamLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, start = self._plan(), self.resume_at
         self.epoch, self.resume_at = plan.epoch + 1, 0
-        received = [0]
-        self._received = (plan, start, received)
+        self._received = Progress(plan, max(plan.batches - start, 0), start)
         taken = plan.taken(start)
         going = [s for s, t in enumerate(taken) if t < plan.stream_batches[s]]
         rounds = min((taken[s] for s in going), default=0)
         self.dataset.plan, self.dataset.skip = plan, taken
         self.dataset.first = next((s for s in going if taken[s] == rounds), 0)  # whose turn it is
-        return self._handed_out(plan, start, received)
+        return CountingIterator(self._handed_out(self._received.total), self._received)
 
-    def _handed_out(self, plan: StreamPlan, start: int, received: list[int]) -> Iterator:
+    def _handed_out(self, batches: int) -> Iterator:
         workers = self.settings["workers"]
         loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=4 if workers else None)
-        for batch in loader:
-            if start + received[0] >= plan.batches:
+        for n, batch in enumerate(loader):
+            if n >= batches:
                 break
-            received[0] += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,25 +221,24 @@ class StreamLoader:
         if self._received is None:
             epoch, batches = self.epoch, self.resume_at
         else:
-            plan, start, received = self._received
-            epoch, batches = plan.epoch, start + received[0]
-            if batches >= plan.batches:
+            progress = self._received
+            epoch, batches = progress.plan.epoch, progress.start + progress.received
+            if progress.finished:
                 epoch, batches = epoch + 1, 0
         return {"version": STATE_VERSION, "kind": "stream", "epoch": epoch, "batches": batches, **self.settings}
+
+    def _schema(self) -> StateSchema:
+        settings = {"kind": "stream", **{key: self.settings[key] for key in _MUST_MATCH}}
+        return StateSchema("stream", "batches", self.settings["dataset_length"], settings)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration the rest of ``state``'s epoch.
 
         Raises:
-            ValueError: (one line) not a stream state, or one taken with other settings (it names which).
+            ValueError: (one line) not a stream state, a damaged one (a missing, unknown or mistyped key, each
+                named), or one taken with other settings (it names which).
         """
-        if not isinstance(state, dict) or state.get("kind") != "stream" or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a packer.stream state (version {STATE_VERSION}): {str(state)[:200]}")
-        for key in _MUST_MATCH:
-            if state.get(key) != self.settings[key]:
-                raise ValueError(f"the stream state was saved with {key}={state.get(key)!r}, this stream has "
-                                 f"{key}={self.settings[key]!r}; resume with the same {key}")
-        self.epoch, self.resume_at = int(state["epoch"]), int(state["batches"])
+        self.epoch, self.resume_at = check_state(state, self._schema())
         self._received = None
 
 
