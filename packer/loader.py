@@ -43,8 +43,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from . import arguments
 from .dataset import PackedBatch, PackedDataset
-from .errors import PackerError
+from .errors import PackerError, UsageError
 from .sampler import ResumableSampler
 from .state import CountingIterator, Progress
 from .system import cores_per_rank
@@ -322,6 +323,20 @@ def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, 
             "context": settings.get("multiprocessing_context"), "timeout": settings.get("timeout", 0)}
 
 
+def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: Any, tuned: Any, threads: Any,
+                            prefetch_batches: Any, drop_last: Any) -> None:
+    """make_loader's own arguments, each checked at the call (a one-line ValueError naming it)."""
+    if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"dataset must be a torch Dataset (packer.open_dataset gives one), not "
+                         f"{type(dataset).__name__}")
+    arguments.optional_int("batch_size", batch_size, 1)
+    for name, value in (("shuffle", shuffle), ("tuned", tuned), ("drop_last", drop_last)):
+        arguments.flag(name, value)
+    arguments.seed("seed", seed)
+    arguments.optional_int("threads", threads, 1)
+    arguments.optional_int("prefetch_batches", prefetch_batches, 0)
+
+
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
@@ -352,9 +367,13 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         drop_last: drop the last, smaller batch of each epoch.
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
+
     Returns:
         A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
     """
+    _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     tuned_values = tuned_settings(dataset) if tuned else {}
     if batch_size is None:
         batch_size = tuned_values.get("batch_size", 64)
@@ -451,5 +470,20 @@ class DeviceLoader:
 
 def to_device(loader, device: str | torch.device, normalize: tuple | None = None,
               dtype: torch.dtype = torch.float32) -> DeviceLoader:
-    """Wrap ``loader`` so that batches arrive on ``device``, converted and normalized there (see DeviceLoader)."""
-    return DeviceLoader(loader, device, normalize, dtype)
+    """Wrap ``loader`` so that batches arrive on ``device``, converted and normalized there (see DeviceLoader).
+
+    Raises:
+        ValueError: (one line) ``device`` is not a device torch knows, or one this machine does not have (CUDA
+            without a GPU or a CUDA build of torch).
+    """
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device {device!r} is not a torch device ({' '.join(str(exc).split())[:120]}); "
+                         "give 'cpu' or 'cuda'") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r}: this machine has no CUDA GPU (or torch was built without CUDA); "
+                         "use 'cpu', or \"cuda\" if torch.cuda.is_available() else \"cpu\"")
+    if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+        raise UsageError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return DeviceLoader(loader, where, normalize, dtype)

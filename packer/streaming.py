@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .errors import CorruptDataError, PackerError
+from . import arguments
+from .errors import CorruptDataError, PackerError, UsageError
 from .formats.wds import IMAGE_EXTS
 from .manifest import read_manifest
 from .remote.resolve import RemoteFile, fetched, remote_files
@@ -266,9 +267,20 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             may be below the dataset's size (it must hold one shard per worker).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
 
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
+
     Returns:
         A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
     """
+    arguments.int_at_least("batch_size", batch_size, 1)
+    arguments.flag("shuffle", shuffle)
+    arguments.optional_int("num_workers", num_workers, 0)
+    arguments.seed("seed", seed)
+    arguments.flag("drop_last", drop_last)
+    arguments.int_at_least("buffer", buffer, 1)
+    if mode not in ("RGB", "L"):
+        raise UsageError(f"mode must be 'RGB' or 'L', not {mode!r}")
     files = None
     if parse_url(root) is not None:
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
