@@ -3,12 +3,15 @@
 Each check raises :class:`~packer.errors.UsageError` (a ``ValueError``) in one line that names the argument, so
 that a bad value fails at the call and not at the first batch. :func:`spelled` names an option in the words of
 the interface in use: ``overwrite=True`` from Python, ``--overwrite`` from the command line (which calls
-:func:`from_command_line` once).
+:func:`command_line`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from numbers import Real
 from typing import Any
@@ -20,11 +23,33 @@ INT64_MAX = 2**63 - 1
 RATIO_LIMITS = (1e-6, 1e6)
 
 _COMMAND_LINE: ContextVar[bool] = ContextVar("packer_command_line", default=False)
+_NAMES: ContextVar[dict[str, str]] = ContextVar("packer_names", default={})  # noqa: B039 (never mutated)
 
 
-def from_command_line() -> None:
-    """Make :func:`spelled` use flags (``--overwrite``): called by the ``packer`` command before it runs."""
-    _COMMAND_LINE.set(True)
+@contextmanager
+def command_line() -> Iterator[None]:
+    """Within it :func:`spelled` uses flags (``--overwrite``): the ``packer`` command runs in it."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+@contextmanager
+def shown_as(path: str | os.PathLike, name: str) -> Iterator[None]:
+    """Within it, messages about ``path`` (an internal folder, such as a URL's staging folder) name it ``name``,
+    what the caller gave (:func:`shown`)."""
+    token = _NAMES.set({**_NAMES.get(), os.fspath(path): name})
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
+
+
+def shown(path: str | os.PathLike) -> str:
+    """How messages name ``path``: as the caller gave it, or the name :func:`shown_as` set."""
+    return _NAMES.get().get(os.fspath(path), os.fspath(path))
 
 
 def spelled(name: str, value: Any = True) -> str:
