@@ -130,19 +130,18 @@ def _is_image_folder(folder: Path) -> bool:
 
 
 def _not_a_dataset(dest: Path) -> IncompleteDatasetError:
-    """Why the folder ``dest``, which has no manifest, is not a dataset: an interrupted conversion (packer's
-    files only), an image folder, or some other folder."""
-    from .dest import dataset_problems
-
-    if (dest / JOURNAL).exists() or not any(os.scandir(dest)) or len(dataset_problems(dest)) <= 1:
+    """Why the folder ``dest``, which has no manifest, is not a dataset: an interrupted conversion (a progress
+    record, or nothing yet), an image folder, or a folder that says neither."""
+    if (dest / JOURNAL).exists() or not any(os.scandir(dest)):
         return IncompleteDatasetError(
             f"{dest}: no {MANIFEST}, so its conversion did not finish; run the same `packer pack` command with "
             "--resume to finish it, or with --overwrite to start again")
     if _is_image_folder(dest):
         return IncompleteDatasetError(f"{dest}: is an image folder, not a packed dataset (no {MANIFEST}); pack it "
                                       f"with `packer pack {dest} DEST --format lmdb`")
-    return IncompleteDatasetError(f"{dest}: is not a packed dataset (no {MANIFEST}, and files packer does not "
-                                  "write); give the folder `packer pack` wrote")
+    return IncompleteDatasetError(f"{dest}: has no {MANIFEST}: not a packed dataset, or one whose conversion did not "
+                                  "finish (then run the same `packer pack` command with --resume, or with "
+                                  "--overwrite to start again)")
 
 
 def read_manifest(dest: str | os.PathLike) -> dict:
