@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
-from .errors import PackerError, UsageError
+from .errors import Crossed, PackerError, UsageError, uncrossed
 from .sampler import ResumableSampler
 from .state import CountingIterator, Progress
 from .system import cores_per_rank
@@ -58,6 +58,8 @@ def collate(batch: list) -> Any:
     """Return a :class:`PackedBatch`'s tensors as they are; anything else goes to ``default_collate``."""
     if isinstance(batch, PackedBatch):
         return batch.images, batch.labels
+    if isinstance(batch, Crossed):  # a worker's error, raised as itself by the loader
+        return batch
     first = batch[0] if batch else None
     if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
         sizes = sorted({tuple(item[0].shape) for item in batch})
@@ -119,7 +121,7 @@ class PrefetchLoader(DataLoader):
                 self._worker_pool = WorkerPool(**self.worker_pool_settings)
             iterator = self._worker_pool.iterate(iter(self.batch_sampler))
         else:
-            iterator = super().__iter__()
+            iterator = uncrossed(super().__iter__())
         if self.num_workers == 0 and self.prefetch_batches > 0:
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
         if epoch_pass is None:
@@ -255,10 +257,11 @@ class BatchReads(Dataset):
     loader's decode threads and pinning, so the dataset is never changed and one dataset can back several
     loaders with different settings. Other attributes are the dataset's."""
 
-    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool):
+    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool, crossing: bool = False):
         self.dataset = dataset
         self.threads = threads
         self.pin_memory = pin_memory
+        self.crossing = crossing  # torch's workers hand a PackerError on as a Crossed batch (collate passes it)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -266,8 +269,13 @@ class BatchReads(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> list:
-        return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
+    def __getitems__(self, indices: list[int]) -> list | Crossed:
+        try:
+            return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
+        except PackerError as exc:
+            if torch.utils.data.get_worker_info() is None or not self.crossing:
+                raise
+            return Crossed(exc)  # collate passes it on and the loader raises it, as itself, in one line
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling): no recursion
@@ -406,7 +414,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
             settings.pop(key, None)
     if prefetch_batches is None:
         prefetch_batches = tuned_values.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
-    data = BatchReads(dataset, threads, pin_batches) if packed else dataset
+    data = BatchReads(dataset, threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
     pool = _worker_pool(dataset, settings) if packed else None
     return PrefetchLoader(data, prefetch_batches=prefetch_batches, threads=threads, pin_batches=pin_batches,
                           worker_pool=pool,

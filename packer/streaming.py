@@ -22,9 +22,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import arguments
-from .errors import CorruptDataError, PackerError, UsageError
+from .errors import CorruptDataError, PackerError, UsageError, carried, uncrossed
 from .formats.wds import IMAGE_EXTS
 from .manifest import read_manifest
+from .remote.cache import parse_limit
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
 from .sampler import distributed_rank_world
@@ -131,7 +132,8 @@ class ShardStreams(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         stream = (self.first + (info.id if info is not None else 0)) % len(self.plan.shards)
-        return self._batches(stream)
+        batches = self._batches(stream)
+        return batches if info is None else carried(batches)  # an error crosses to the caller as itself
 
     def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, settings = self.plan, self.settings
@@ -211,7 +213,7 @@ class StreamLoader:
         workers = self.settings["workers"]
         loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=4 if workers else None)
-        for n, batch in enumerate(loader):
+        for n, batch in enumerate(uncrossed(iter(loader))):
             if n >= batches:
                 break
             yield batch
@@ -241,6 +243,16 @@ class StreamLoader:
         """
         self.epoch, self.resume_at = check_state(state, self._schema())
         self._received = None
+
+
+def _check_cache_limit(cache_limit: int | str | None, sizes: list[int], streams: int) -> None:
+    """A URL's ``cache_limit`` must hold one shard per stream, the most ``stream`` holds at once: said at the call,
+    with the figure to pass, rather than by the first worker that cannot fetch its shard."""
+    limit = parse_limit(cache_limit if cache_limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
+    need = streams * max(sizes, default=0)
+    if limit is not None and limit < need:
+        raise UsageError(f"cache_limit {limit:,} is below what packer.stream holds at once, one shard per worker "
+                         f"({streams} x {max(sizes):,} bytes): pass cache_limit={need} or more, or fewer num_workers")
 
 
 def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
@@ -293,6 +305,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     shards = [(files[s["path"]] if files is not None else root / s["path"], int(s["count"]))
               for s in manifest["shards"]]
     workers = usable_cores() if num_workers is None else num_workers
+    if files is not None and cache:
+        _check_cache_limit(cache_limit, [entry.entry["bytes"] for entry, _ in shards], max(workers, 1))
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
     return StreamLoader(shards, settings, mode, buffer)
