@@ -103,7 +103,8 @@ def number_range(name: str, value: Any, lowest: float = 0.0, highest: float = ma
     low, high = float(value[0]), float(value[1])
     if not (math.isfinite(low) and math.isfinite(high) and lowest < low <= high <= highest):
         limits = f"above {lowest:g}" + (f" and at most {highest:g}" if highest != math.inf else "")
-        raise UsageError(f"{name} must be finite numbers {limits} with min <= max, not {value!r}")
+        raise UsageError(f"{name} must be finite numbers {limits} with min <= max (scale and ratio are (min, max) "
+                         f"ranges, as in torchvision), not {value!r}")
     return low, high
 
 

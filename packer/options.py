@@ -156,7 +156,7 @@ class PackOptions:
         for name in ("shard_size", "shard_samples"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"{spelled(name, value)}: {value!r} is not a positive number")
+                raise UsageError(f"--{name.replace('_', '-')}: {value!r} is not a positive number")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise UsageError(f"{spelled('seed', self.seed)}: the seed must be an int from 0 to 2**63-1")
 
