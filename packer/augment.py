@@ -85,9 +85,9 @@ def sample_window(height: int, width: int, scale: tuple[float, float], ratio: tu
             return Window(top, left, h, w, flipped)
     in_ratio = width / height  # fallback: the centre crop, its aspect clamped to ``ratio``
     if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
+        w, h = width, max(1, int(round(width / min(ratio))))  # never a window without pixels
     elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
+        h, w = height, max(1, int(round(height * max(ratio))))
     else:
         w, h = width, height
     return Window((height - h) // 2, (width - w) // 2, h, w, flipped)

@@ -15,7 +15,7 @@ import traceback
 
 import click
 
-from . import __version__
+from . import __version__, arguments
 from .errors import ManifestError, PackerError, UsageError
 from .options import click_options
 from .remote.url import parse_url
@@ -67,7 +67,8 @@ def handle_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with arguments.command_line():  # messages name flags (--overwrite), not Python arguments
+                return fn(*args, **kwargs)
         except PackerError as exc:
             click.echo(f"packer: error: {exc}", err=True)
             sys.exit(exc.exit_code)

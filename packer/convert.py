@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .arguments import shown, spelled
 from .dest import is_regular_file
 from .distributed import detect, early_rank, pack_distributed
 from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_dest
@@ -127,8 +128,8 @@ def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
                   "source": plan.source.describe()["root"]}
     changed = differences(recorded, wanted)
     if changed:
-        raise DestinationError(f"{dest}: is a finished dataset packed with a different {', '.join(changed)}; "
-                               "run with the same source and options, or start again with --overwrite")
-    if speak:
+        raise DestinationError(f"{shown(dest)}: is a finished dataset packed with a different {', '.join(changed)}; "
+                               f"run with the same source and options, or start again with {spelled('overwrite')}")
+    if speak and shown(dest) == os.fspath(dest):  # a URL's staging folder: the upload says what it does
         print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
     return manifest

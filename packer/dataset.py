@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import arguments
 from .buffers import BatchPool, empty_batch
 from .decoding import Decoding
+from .errors import UsageError
 from .formats import PartedReader, Reader, open_reader
 from .formats.base import Sample
 from .formats.hdf5 import Hdf5Reader
@@ -320,23 +322,65 @@ class PartedDataset(PackedDataset):
     reader_class = PartedReader
 
 
-# what open_dataset gives the dataset; the other keyword arguments are the reader's options
-_DATASET_ARGS = (set(inspect.signature(PackedDataset.__init__).parameters) | _DECODING_ARGS) - {"root", "options"}
+_READER_OPTIONS = {"readahead": "lmdb", "locking": "hdf5"}  # open_dataset's reader options: the format of each
 
 
-def open_dataset(root: str | os.PathLike, **kwargs: Any) -> PackedDataset:
-    """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says.
+def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
+                 target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
+                 threads: int = 1, resize: int | str | None = None, center_crop: int | str | None = None,
+                 interpolation: str = "bilinear", decoder: str = "auto",
+                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0,
+                 readahead: bool | None = None, locking: bool | None = None, storage_options: dict | None = None,
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> PackedDataset:
+    """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says. Every argument is checked
+    here: a bad one is a one-line ``ValueError`` naming it, never a failure at the first read.
 
     Args:
         root: the dataset folder, or its URL (``s3://bucket/ds``, ``gs://...``, ``https://...``): fetched into
             the local cache and read from there.
-        **kwargs: :class:`PackedDataset`'s arguments (``transform``, ``resize``, ``center_crop``...), and
-            :func:`packer.formats.open_reader`'s: the format reader's own (``readahead``, ``locking``) and, for a
-            URL, ``storage_options``, ``cache_dir`` and ``cache_limit``.
+        transform: a callable applied to each CHW image tensor (torchvision v2 transforms work).
+        target_transform: a callable applied to each label.
+        decode: False returns the stored bytes (encoded stores) or array (raw) untouched.
+        verify: check each sample's crc32 on read (a mismatch is a ``CorruptDataError``).
+        threads: threads that decode one batch (``make_loader`` passes its own).
+        resize, center_crop: a read-time resize (N: the shorter side; ``"WxH"``) and centre crop.
+        interpolation: the resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
+        decoder: ``"auto"``, ``"fast"`` or ``"pil"`` (see :class:`PackedDataset`).
+        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
+            decoding; replaces ``resize``/``center_crop``.
+        scale: the crop's area as a fraction of the image's, ``(min, max)``: finite, ``0 < min <= max``.
+        ratio: the crop's width / height, ``(min, max)``: finite, from 1e-6 to 1e6.
+        flip: mirror left-right with probability 0.5.
+        seed: the augmentation seed (an int from 0 to 2**63-1); not the sample order's, which is the loader's.
+        readahead: LMDB only: the OS readahead on the data file (default on).
+        locking: HDF5 only: HDF5's file locking (default off).
+        storage_options: for a URL, the fsspec filesystem's options (credentials, endpoint).
+        cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
+        cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``).
 
     Returns:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
         made by several ranks.
+
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
     """
-    reader = open_reader(root, **{k: kwargs.pop(k) for k in list(kwargs) if k not in _DATASET_ARGS})
-    return _DATASETS.get(type(reader), PackedDataset)(reader, **kwargs)
+    for name, value in (("transform", transform), ("target_transform", target_transform)):
+        if value is not None and not callable(value):
+            raise UsageError(f"{name} must be a callable or None, not {value!r}")
+    for name, value in (("decode", decode), ("verify", verify)):
+        arguments.flag(name, value)
+    arguments.int_at_least("threads", threads, 1)
+    options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
+               if value is not None}
+    reader = open_reader(root, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    for name in options:
+        if reader.format != _READER_OPTIONS[name]:
+            raise UsageError(f"{name} is an option of {_READER_OPTIONS[name]} datasets; {root} is {reader.format}")
+    if options:
+        reader = open_reader(reader.root, **options)
+    return _DATASETS.get(type(reader), PackedDataset)(
+        reader, transform=transform, target_transform=target_transform, decode=decode, verify=verify,
+        threads=threads, resize=resize, center_crop=center_crop, interpolation=interpolation, decoder=decoder,
+        random_resized_crop=random_resized_crop, scale=scale, ratio=ratio, flip=flip, seed=seed)

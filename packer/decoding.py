@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import simplejpeg
 
+from . import arguments
 from .augment import (
     MARGIN,
     Window,
@@ -109,13 +110,11 @@ class Decoding:
         if decoder not in ("auto", "fast", "pil"):
             raise ValueError("decoder must be 'auto', 'fast' or 'pil'")
         self.random_resized_crop = _height_width(random_resized_crop)
-        self.scale = (float(scale[0]), float(scale[1]))
-        self.ratio = (float(ratio[0]), float(ratio[1]))
-        self.flip = bool(flip)
-        self.seed = int(seed)
+        self.scale = arguments.crop_scale(scale)
+        self.ratio = arguments.crop_ratio(ratio)
+        self.flip = arguments.flag("flip", flip)
+        self.seed = arguments.seed("seed", seed)
         self.epoch = 0
-        if not (0 < self.scale[0] <= self.scale[1] and 0 < self.ratio[0] <= self.ratio[1]):
-            raise ValueError("scale and ratio are (min, max) ranges of positive numbers")
         if self.random_resized_crop and (self.resize or self.center_crop):
             raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
         if (self.resize or self.center_crop or self.augments) and self.spec.normalize:
@@ -354,7 +353,7 @@ def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
     if size is None:
         return None
-    pair = tuple(as_pair(size))  # a longer tuple is refused below
-    if len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair):
+    pair = tuple(as_pair(size)) if isinstance(size, (int, tuple, list)) else ()  # a longer tuple is refused below
+    if len(pair) != 2 or not all(arguments.is_int(v) and v > 0 for v in pair):
         raise ValueError(f"random_resized_crop must be a positive int or (height, width), not {size!r}")
     return pair

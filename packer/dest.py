@@ -22,6 +22,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from .arguments import spelled
 from .errors import DestinationError
 from .manifest import JOURNAL, MANIFEST
 
@@ -165,7 +166,8 @@ def check_output(path: Path, overwrite: bool, problems: Callable[[Path], list[st
 def _check(path: Path, overwrite: bool, problems: Callable[[Path], list[str]], what: str) -> bool:
     if path.is_symlink():
         if overwrite and path.is_dir() and any(path.iterdir()):
-            raise DestinationError(f"{path}: is a symbolic link, so --overwrite will not delete what it points to; "
+            raise DestinationError(f"{path}: is a symbolic link, so {spelled('overwrite')} will not delete what it "
+                                   "points to; "
                                    "give the real folder, or a new one")
         if not path.exists():
             raise DestinationError(f"{path}: is a broken symbolic link; remove it or choose another destination")
@@ -174,11 +176,12 @@ def _check(path: Path, overwrite: bool, problems: Callable[[Path], list[str]], w
     if not (path.exists() and any(path.iterdir())):
         return False
     if not overwrite:
-        raise DestinationError(f"{path}: already exists and is not empty; pass --overwrite to replace it")
+        raise DestinationError(f"{path}: already exists and is not empty; pass {spelled('overwrite')} to replace "
+                               "it")
     found = problems(path)
     if found:
-        raise DestinationError(f"{path}: is not a {what} ({'; '.join(found)}), so --overwrite will not delete "
-                               "it; choose an empty or new folder")
+        raise DestinationError(f"{path}: is not a {what} ({'; '.join(found)}), so {spelled('overwrite')} will not "
+                               "delete it; choose an empty or new folder")
     return True
 
 

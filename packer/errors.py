@@ -4,6 +4,10 @@ what to do."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def warn(message: str) -> None:
@@ -80,3 +84,50 @@ class UrlError(PackerError):
 
 class RemoteError(PackerError):
     """Remote storage failed after retries, or served an object that does not match the manifest."""
+
+
+class Crossed:
+    """A :class:`PackerError` raised in a DataLoader worker process, handed to the main process in place of a
+    batch, so that it is raised there as itself, in one line (torch would re-raise it as a new error of the same
+    class whose message is "Caught ... in DataLoader worker process 0" and the worker's whole traceback)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: PackerError):
+        self.error = error
+
+    def __reduce__(self):
+        return Crossed, (self.error,)
+
+
+def carried(iterator: Iterator[T]) -> Iterator[T | Crossed]:
+    """``iterator``'s items; a :class:`PackerError` it raises becomes a last :class:`Crossed` item (in a worker)."""
+    try:
+        yield from iterator
+    except PackerError as exc:
+        yield Crossed(exc)
+
+
+class uncrossed:  # noqa: N801 - used as a function
+    """``iterator``'s items, raising the error of a :class:`Crossed` one (in the main process). Anything else
+    (``len``, the iterator's attributes) is the wrapped iterator's."""
+
+    def __init__(self, iterator: Iterator[T | Crossed]):
+        self.iterator = iterator
+
+    def __iter__(self) -> uncrossed:
+        return self
+
+    def __next__(self) -> T:
+        item = next(self.iterator)
+        if isinstance(item, Crossed):
+            raise item.error
+        return item
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+    def __getattr__(self, name: str):
+        if name == "iterator":
+            raise AttributeError(name)
+        return getattr(self.iterator, name)

@@ -43,9 +43,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from . import arguments
 from .dataset import PackedBatch, PackedDataset
-from .errors import PackerError
-from .sampler import EpochPass, ResumableSampler
+from .errors import Crossed, PackerError, UsageError, uncrossed
+from .sampler import ResumableSampler
+from .state import CountingIterator, Progress
 from .system import cores_per_rank, die_with_parent
 from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
 
@@ -56,6 +58,8 @@ def collate(batch: list) -> Any:
     """Return a :class:`PackedBatch`'s tensors as they are; anything else goes to ``default_collate``."""
     if isinstance(batch, PackedBatch):
         return batch.images, batch.labels
+    if isinstance(batch, Crossed):  # a worker's error, raised as itself by the loader
+        return batch
     first = batch[0] if batch else None
     if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
         sizes = sorted({tuple(item[0].shape) for item in batch})
@@ -110,7 +114,7 @@ class PrefetchLoader(DataLoader):
         self.pin_batches = pin_batches  # batches are made in pinned memory (then pin_memory itself is off)
         self.worker_pool_settings = worker_pool  # num_workers are packer's WorkerPool, started at the first pass
         self._worker_pool: WorkerPool | None = None
-        self._received: Received | None = None  # the latest iteration's pass and the batches handed out of it
+        self._received: Progress | None = None  # the latest iteration's pass and the batches handed out of it
 
     def __iter__(self):
         sampler = self._resumable_sampler()
@@ -120,13 +124,13 @@ class PrefetchLoader(DataLoader):
                 self._worker_pool = WorkerPool(**self.worker_pool_settings)
             iterator = self._worker_pool.iterate(iter(self.batch_sampler))
         else:
-            iterator = super().__iter__()
+            iterator = uncrossed(super().__iter__())
         if self.num_workers == 0 and self.prefetch_batches > 0:
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
         if epoch_pass is None:
             return iterator
-        self._received = Received(epoch_pass)
-        return _CountingIterator(iterator, self._received)
+        self._received = Progress(epoch_pass, epoch_pass.batches)
+        return CountingIterator(iterator, self._received)
 
     @property
     def worker_pool(self) -> WorkerPool | None:
@@ -137,8 +141,8 @@ class PrefetchLoader(DataLoader):
 
     def __len__(self) -> int:
         received = self._received  # during a pass: its batches (the prefetching sampler may be done with it)
-        if received is not None and received.batches < received.epoch_pass.batches:
-            return received.epoch_pass.batches
+        if received is not None and not received.finished:
+            return received.total
         return super().__len__()
 
     def _resumable_sampler(self) -> ResumableSampler | None:
@@ -165,7 +169,7 @@ class PrefetchLoader(DataLoader):
         received = self._received
         if received is None:
             return sampler.state_dict()
-        return received.epoch_pass.state(received.batches * self.batch_size)
+        return received.plan.state(received.received * self.batch_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration the rest of the epoch ``state`` was taken in (the samples no rank has received
@@ -185,36 +189,6 @@ class PrefetchLoader(DataLoader):
         """Make the next iteration epoch ``epoch`` (each iteration moves to the next epoch by itself)."""
         self._require_resumable().set_epoch(epoch)
         self._received = None
-
-
-class Received:
-    """The pass an iteration makes and how many batches the caller has received from it."""
-
-    __slots__ = ("epoch_pass", "batches")
-
-    def __init__(self, epoch_pass: EpochPass):
-        self.epoch_pass = epoch_pass
-        self.batches = 0
-
-
-class _CountingIterator:
-    """Counts the batches handed to the caller. The loader holds the count, not this iterator, so dropping the
-    iterator still ends the prefetch thread."""
-
-    def __init__(self, iterator, received: Received):
-        self.iterator = iterator
-        self.received = received
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.iterator)
-        self.received.batches += 1
-        return batch
-
-    def __len__(self) -> int:
-        return self.received.epoch_pass.batches
 
 
 _PREFETCHING: set[tuple[threading.Event, threading.Thread]] = set()
@@ -286,10 +260,11 @@ class BatchReads(Dataset):
     loader's decode threads and pinning, so the dataset is never changed and one dataset can back several
     loaders with different settings. Other attributes are the dataset's."""
 
-    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool):
+    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool, crossing: bool = False):
         self.dataset = dataset
         self.threads = threads
         self.pin_memory = pin_memory
+        self.crossing = crossing  # torch's workers hand a PackerError on as a Crossed batch (collate passes it)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -297,8 +272,13 @@ class BatchReads(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> list:
-        return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
+    def __getitems__(self, indices: list[int]) -> list | Crossed:
+        try:
+            return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
+        except PackerError as exc:
+            if torch.utils.data.get_worker_info() is None or not self.crossing:
+                raise
+            return Crossed(exc)  # collate passes it on and the loader raises it, as itself, in one line
 
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling): no recursion
@@ -354,6 +334,20 @@ def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, 
             "context": settings.get("multiprocessing_context"), "timeout": settings.get("timeout", 0)}
 
 
+def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: Any, tuned: Any, threads: Any,
+                            prefetch_batches: Any, drop_last: Any) -> None:
+    """make_loader's own arguments, each checked at the call (a one-line ValueError naming it)."""
+    if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"dataset must be a torch Dataset (packer.open_dataset gives one), not "
+                         f"{type(dataset).__name__}")
+    arguments.optional_int("batch_size", batch_size, 1)
+    for name, value in (("shuffle", shuffle), ("tuned", tuned), ("drop_last", drop_last)):
+        arguments.flag(name, value)
+    arguments.seed("seed", seed)
+    arguments.optional_int("threads", threads, 1)
+    arguments.optional_int("prefetch_batches", prefetch_batches, 0)
+
+
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
@@ -384,9 +378,13 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         drop_last: drop the last, smaller batch of each epoch.
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
+
     Returns:
         A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
     """
+    _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     tuned_values = tuned_settings(dataset) if tuned else {}
     if batch_size is None:
         batch_size = tuned_values.get("batch_size", 64)
@@ -419,7 +417,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
             settings.pop(key, None)
     if prefetch_batches is None:
         prefetch_batches = tuned_values.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
-    data = BatchReads(dataset, threads, pin_batches) if packed else dataset
+    data = BatchReads(dataset, threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
     pool = _worker_pool(dataset, settings) if packed else None
     return PrefetchLoader(data, prefetch_batches=prefetch_batches, threads=threads, pin_batches=pin_batches,
                           worker_pool=pool,
@@ -483,5 +481,20 @@ class DeviceLoader:
 
 def to_device(loader, device: str | torch.device, normalize: tuple | None = None,
               dtype: torch.dtype = torch.float32) -> DeviceLoader:
-    """Wrap ``loader`` so that batches arrive on ``device``, converted and normalized there (see DeviceLoader)."""
-    return DeviceLoader(loader, device, normalize, dtype)
+    """Wrap ``loader`` so that batches arrive on ``device``, converted and normalized there (see DeviceLoader).
+
+    Raises:
+        ValueError: (one line) ``device`` is not a device torch knows, or one this machine does not have (CUDA
+            without a GPU or a CUDA build of torch).
+    """
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device {device!r} is not a torch device ({' '.join(str(exc).split())[:120]}); "
+                         "give 'cpu' or 'cuda'") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r}: this machine has no CUDA GPU (or torch was built without CUDA); "
+                         "use 'cpu', or \"cuda\" if torch.cuda.is_available() else \"cpu\"")
+    if where.type == "cuda" and where.index is not None and where.index >= torch.cuda.device_count():
+        raise UsageError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return DeviceLoader(loader, where, normalize, dtype)

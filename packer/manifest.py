@@ -117,14 +117,33 @@ def is_safe_relpath(name: object, normalized: bool = False) -> bool:
     return ".." not in parts
 
 
-def _holds_images(folder: Path) -> bool:
-    """Whether a class folder of ``folder`` holds an image file: an image folder, not a dataset."""
+def _is_image_folder(folder: Path) -> bool:
+    """Whether ``folder`` looks like an image folder (``<class>/**/<image>``): no visible file beside its class
+    folders, and an image in one of them."""
     from .scan import is_image_file
 
+    entries = [entry for entry in os.scandir(folder) if not entry.name.startswith(".")]
+    if not entries or any(not entry.is_dir() for entry in entries):
+        return False
     for dirpath, _, filenames in os.walk(folder):
         if dirpath != str(folder) and any(is_image_file(name) for name in filenames):
             return True
     return False
+
+
+def _not_a_dataset(dest: Path) -> IncompleteDatasetError:
+    """Why the folder ``dest``, which has no manifest, is not a dataset: an interrupted conversion (a progress
+    record, or nothing yet), an image folder, or a folder that says neither."""
+    if (dest / JOURNAL).exists() or not any(os.scandir(dest)):
+        return IncompleteDatasetError(
+            f"{dest}: no {MANIFEST}, so its conversion did not finish; run the same `packer pack` command with "
+            "--resume to finish it, or with --overwrite to start again")
+    if _is_image_folder(dest):
+        return IncompleteDatasetError(f"{dest}: is an image folder, not a packed dataset (no {MANIFEST}); pack it "
+                                      f"with `packer pack {dest} DEST --format lmdb`")
+    return IncompleteDatasetError(f"{dest}: has no {MANIFEST}: not a packed dataset, or one whose conversion did not "
+                                  "finish (then run the same `packer pack` command with --resume, or with "
+                                  "--overwrite to start again)")
 
 
 def read_manifest(dest: str | os.PathLike) -> dict:
@@ -133,14 +152,12 @@ def read_manifest(dest: str | os.PathLike) -> dict:
     dest = Path(dest)
     path = dest / MANIFEST
     if not dest.is_dir():
+        if dest.exists():
+            raise IncompleteDatasetError(f"{dest}: is a file, not a packed dataset folder; give the folder "
+                                         "`packer pack` wrote")
         raise IncompleteDatasetError(f"{dest}: no such dataset folder; pack one with `packer pack SRC {dest}`")
     if not path.exists():
-        if not (dest / JOURNAL).exists() and _holds_images(dest):
-            raise IncompleteDatasetError(f"{dest}: is an image folder, not a packed dataset (no {MANIFEST}); pack it "
-                                         f"with `packer pack {dest} DEST --format lmdb`")
-        raise IncompleteDatasetError(
-            f"{dest}: no {MANIFEST}, so its conversion did not finish; run the same `packer pack` command with "
-            "--resume to finish it, or with --overwrite to start again")
+        raise _not_a_dataset(dest)
     try:
         text = path.read_bytes()
     except OSError as exc:

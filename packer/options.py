@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from .arguments import spelled
 from .errors import UsageError
 from .transforms import (
     DEFAULT_MAX_PIXELS,
@@ -129,7 +130,8 @@ class PackOptions:
     workers: int | None = option(None, "Worker processes (default: all cores).", cli=dict(type=click.IntRange(1)))
     shuffle: bool | None = option(None, "Shuffle the sample order (default: on for wds, off for lmdb and hdf5).",
                                   cli=dict(decls=("--shuffle/--no-shuffle",)))
-    seed: int = option(0, "Seed of the shuffle.", cli=dict(type=int, show_default=True))
+    seed: int = option(0, "Seed of the shuffle (0 to 2**63-1).", cli=dict(type=click.IntRange(0, 2**63 - 1),
+                                                                         show_default=True))
     shard_size: int | None = option(None, "WebDataset: bytes per shard at most, e.g. 256MB.",
                                     cli=dict(type=Parsed("bytes", parse_bytes)))
     shard_samples: int | None = option(None, "WebDataset: samples per shard.", cli=dict(type=click.IntRange(1)))
@@ -166,6 +168,8 @@ class PackOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"--{name.replace('_', '-')}: {value!r} is not a positive number")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise UsageError(f"{spelled('seed', self.seed)}: the seed must be an int from 0 to 2**63-1")
 
     @property
     def table(self) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .state import STATE_VERSION, StateSchema, check_state
+
 
 class EpochIndex(int):
     """An ``int`` sample index that also carries ``epoch``. Anything that treats it as an int still works; a
@@ -33,11 +35,6 @@ class EpochIndex(int):
 
     def __repr__(self) -> str:
         return f"EpochIndex({int(self)}, epoch={self.epoch})"
-
-
-STATE_VERSION = 1
-# what a state must agree on with the loader that loads it: anything else changes the order or the batches
-_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length")
 
 
 def distributed_rank_world() -> tuple[int, int]:
@@ -103,29 +100,22 @@ class EpochPass:
         return make_state(epoch, position, self.world, self)
 
 
+# what a state must agree on with the loader that loads it: anything else changes the order or the batches
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length")
+
+
 def make_state(epoch: int, position: int, world: int, settings: Any) -> dict[str, Any]:
     return {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
-            "batch_size": settings.batch_size, "seed": settings.seed, "shuffle": settings.shuffle,
-            "drop_last": settings.drop_last, "dataset_length": settings.length}
+            "batch_size": int(settings.batch_size), "seed": int(settings.seed), "shuffle": bool(settings.shuffle),
+            "drop_last": bool(settings.drop_last), "dataset_length": int(settings.length)}
 
 
-def check_state(state: Any, settings: Any) -> tuple[int, int]:
-    """The ``(epoch, samples_seen)`` of a saved state, after checking that it was taken with the same settings.
-
-    Raises:
-        ValueError: (one line) the state is not a packer loader state, or names which setting differs."""
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "samples_seen" not in state:
-        raise ValueError(f"not a packer loader state (version {STATE_VERSION}): {str(state)[:200]}")
+def state_schema(settings: Any) -> StateSchema:
+    """What a loader state must hold to be loaded by a loader with ``settings`` (a sampler or an
+    :class:`EpochPass`): anything that changes the order or the batches must match; ``world_size`` may differ."""
     mine = make_state(0, 0, 1, settings)
-    for key in _MUST_MATCH:
-        if state.get(key) != mine[key]:
-            raise ValueError(f"the loader state was saved with {key}={state.get(key)!r}, this loader has "
-                             f"{key}={mine[key]!r}; resume with the same {key}")
-    epoch, position = int(state["epoch"]), int(state["samples_seen"])
-    if epoch < 0 or not 0 <= position <= settings.length:
-        raise ValueError(f"the loader state has epoch {epoch}, samples_seen {position} (dataset of "
-                         f"{settings.length}); it is damaged")
-    return epoch, position
+    return StateSchema("loader", "samples_seen", settings.length, {key: mine[key] for key in _MUST_MATCH},
+                       free=("world_size",))
 
 
 class ResumableSampler(Sampler[EpochIndex]):
@@ -204,7 +194,8 @@ class ResumableSampler(Sampler[EpochIndex]):
         """Make the next iteration the rest of ``state``'s epoch, dealt over this sampler's world size.
 
         Raises:
-            ValueError: the state was taken with another batch_size, seed, shuffle, drop_last or dataset length.
+            ValueError: (one line) the state is damaged (a missing, unknown or mistyped key, each named), or was
+                taken with another batch_size, seed, shuffle, drop_last or dataset length.
         """
-        self._next_epoch, self._resume_at = check_state(state, self)
+        self._next_epoch, self._resume_at = check_state(state, state_schema(self))
         self._current = None

@@ -21,12 +21,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .errors import CorruptDataError, PackerError
+from . import arguments
+from .errors import CorruptDataError, PackerError, UsageError, carried, uncrossed
 from .formats.wds import IMAGE_EXTS
 from .manifest import read_manifest
+from .remote.cache import parse_limit
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
-from .sampler import STATE_VERSION, distributed_rank_world
+from .sampler import distributed_rank_world
+from .state import STATE_VERSION, CountingIterator, Progress, StateSchema, check_state
 from .system import die_with_parent, usable_cores
 from .transforms import decode
 
@@ -134,7 +137,8 @@ class ShardStreams(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         stream = (self.first + (info.id if info is not None else 0)) % len(self.plan.shards)
-        return self._batches(stream)
+        batches = self._batches(stream)
+        return batches if info is None else carried(batches)  # an error crosses to the caller as itself
 
     def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, settings = self.plan, self.settings
@@ -184,7 +188,7 @@ class StreamLoader:
         self.settings = dict(settings, world_size=self.world)
         self.dataset = ShardStreams(self.settings, mode, buffer)
         self.epoch, self.resume_at = 0, 0
-        self._received: tuple[StreamPlan, int, list[int]] | None = None  # the pass, its start, batches handed out
+        self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
     def _plan(self) -> StreamPlan:
         return StreamPlan(self.shards, self.epoch, self.settings, self.rank, self.world)
@@ -202,24 +206,22 @@ class StreamLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, start = self._plan(), self.resume_at
         self.epoch, self.resume_at = plan.epoch + 1, 0
-        received = [0]
-        self._received = (plan, start, received)
+        self._received = Progress(plan, max(plan.batches - start, 0), start)
         taken = plan.taken(start)
         going = [s for s, t in enumerate(taken) if t < plan.stream_batches[s]]
         rounds = min((taken[s] for s in going), default=0)
         self.dataset.plan, self.dataset.skip = plan, taken
         self.dataset.first = next((s for s in going if taken[s] == rounds), 0)  # whose turn it is
-        return self._handed_out(plan, start, received)
+        return CountingIterator(self._handed_out(self._received.total), self._received)
 
-    def _handed_out(self, plan: StreamPlan, start: int, received: list[int]) -> Iterator:
+    def _handed_out(self, batches: int) -> Iterator:
         workers = self.settings["workers"]
         loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=4 if workers else None,
                             worker_init_fn=_die_with_parent if workers else None)
-        for batch in loader:
-            if start + received[0] >= plan.batches:
+        for n, batch in enumerate(uncrossed(iter(loader))):
+            if n >= batches:
                 break
-            received[0] += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -228,26 +230,35 @@ class StreamLoader:
         if self._received is None:
             epoch, batches = self.epoch, self.resume_at
         else:
-            plan, start, received = self._received
-            epoch, batches = plan.epoch, start + received[0]
-            if batches >= plan.batches:
+            progress = self._received
+            epoch, batches = progress.plan.epoch, progress.start + progress.received
+            if progress.finished:
                 epoch, batches = epoch + 1, 0
         return {"version": STATE_VERSION, "kind": "stream", "epoch": epoch, "batches": batches, **self.settings}
+
+    def _schema(self) -> StateSchema:
+        settings = {"kind": "stream", **{key: self.settings[key] for key in _MUST_MATCH}}
+        return StateSchema("stream", "batches", self.settings["dataset_length"], settings)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration the rest of ``state``'s epoch.
 
         Raises:
-            ValueError: (one line) not a stream state, or one taken with other settings (it names which).
+            ValueError: (one line) not a stream state, a damaged one (a missing, unknown or mistyped key, each
+                named), or one taken with other settings (it names which).
         """
-        if not isinstance(state, dict) or state.get("kind") != "stream" or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a packer.stream state (version {STATE_VERSION}): {str(state)[:200]}")
-        for key in _MUST_MATCH:
-            if state.get(key) != self.settings[key]:
-                raise ValueError(f"the stream state was saved with {key}={state.get(key)!r}, this stream has "
-                                 f"{key}={self.settings[key]!r}; resume with the same {key}")
-        self.epoch, self.resume_at = int(state["epoch"]), int(state["batches"])
+        self.epoch, self.resume_at = check_state(state, self._schema())
         self._received = None
+
+
+def _check_cache_limit(cache_limit: int | str | None, sizes: list[int], streams: int) -> None:
+    """A URL's ``cache_limit`` must hold one shard per stream, the most ``stream`` holds at once: said at the call,
+    with the figure to pass, rather than by the first worker that cannot fetch its shard."""
+    limit = parse_limit(cache_limit if cache_limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
+    need = streams * max(sizes, default=0)
+    if limit is not None and limit < need:
+        raise UsageError(f"cache_limit {limit:,} is below what packer.stream holds at once, one shard per worker "
+                         f"({streams} x {max(sizes):,} bytes): pass cache_limit={need} or more, or fewer num_workers")
 
 
 def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
@@ -274,9 +285,20 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             may be below the dataset's size (it must hold one shard per worker).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
 
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
+
     Returns:
         A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
     """
+    arguments.int_at_least("batch_size", batch_size, 1)
+    arguments.flag("shuffle", shuffle)
+    arguments.optional_int("num_workers", num_workers, 0)
+    arguments.seed("seed", seed)
+    arguments.flag("drop_last", drop_last)
+    arguments.int_at_least("buffer", buffer, 1)
+    if mode not in ("RGB", "L"):
+        raise UsageError(f"mode must be 'RGB' or 'L', not {mode!r}")
     files = None
     if parse_url(root) is not None:
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
@@ -289,6 +311,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     shards = [(files[s["path"]] if files is not None else root / s["path"], int(s["count"]))
               for s in manifest["shards"]]
     workers = usable_cores() if num_workers is None else num_workers
+    if files is not None and cache:
+        _check_cache_limit(cache_limit, [entry.entry["bytes"] for entry, _ in shards], max(workers, 1))
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
     return StreamLoader(shards, settings, mode, buffer)

@@ -55,8 +55,9 @@ def run_env(tmp: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_every_readme_code_block_runs(tmp_path, capsys):
-    """Bash blocks run in a folder holding sample_data and sample_masks (install steps left to the fresh-venv test below), Python
-    blocks are pasted into ``python -``; the first Python block twice (packing again must not fail)."""
+    """Bash blocks run in a folder holding sample_data and sample_masks (install steps left to the fresh-venv test
+    below), Python blocks are pasted into ``python -``; the first Python block twice (packing again must not
+    fail)."""
     for name in ("sample_data", "sample_masks"):  # the README's examples read both
         (tmp_path / name).symlink_to(REPO / name)
     env, ran, skipped = run_env(tmp_path), 0, 0

@@ -294,7 +294,7 @@ def test_upload_refuses_an_existing_dataset_and_resume_resends_only_what_differs
                                                                                  monkeypatch):
     import s3fs
 
-    with pytest.raises(DestinationError, match="already holds a packed dataset; pass --overwrite"):
+    with pytest.raises(DestinationError, match="already holds a packed dataset; pass overwrite=True"):
         packer.pack(remote_src, s3_packs["hdf5"], "hdf5", progress=False, workers=1)
     url = "s3://bucket/up/wds"
     packer.pack(remote_src, url, "wds", progress=False, workers=1, **PACK["wds"])
@@ -313,6 +313,27 @@ def test_upload_refuses_an_existing_dataset_and_resume_resends_only_what_differs
     packer.pack(remote_src, url, "wds", progress=False, workers=1, overwrite=True, shard_samples=9)
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find("bucket/up/wds")) == [
         "manifest.json", "notes.txt", "shard-000000.tar", "shard-000001.tar", "wds_index.npy"]  # 4 shards fewer
+    assert stored_samples(url) == stored_samples(s3_packs["wds"])
+
+
+def test_resume_after_a_finished_conversion_whose_upload_stopped_says_it_uploads(s3, s3_packs, remote_src, capfd):
+    """The state a kill -9 during the upload leaves: the staging folder finished, the URL holding some files and
+    no manifest. --resume says what it does, naming the URL, never the internal staging folder."""
+    import s3fs
+
+    url = "s3://bucket/killed/wds"
+    packer.pack(remote_src, url, "wds", progress=False, workers=1, **PACK["wds"])
+    fs = s3fs.S3FileSystem(endpoint_url=s3.url, skip_instance_cache=True)
+    fs.rm_file("bucket/killed/wds/manifest.json")
+    fs.rm_file("bucket/killed/wds/shard-000001.tar")
+    cache = Cache()
+    staging = cache.root / "staging" / cache.view(url).name
+    packer.pack(remote_src, staging, "wds", progress=False, workers=1, **PACK["wds"])  # what the kill left
+    capfd.readouterr()
+    packer.pack(remote_src, url, "wds", progress=False, workers=1, resume=True, **PACK["wds"])
+    err = capfd.readouterr().err
+    assert "staging" not in err and "nothing to resume" not in err, err
+    assert url in err and "uploading" in err, err
     assert stored_samples(url) == stored_samples(s3_packs["wds"])
 
 

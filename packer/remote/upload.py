@@ -13,12 +13,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from ..arguments import shown_as, spelled
 from ..dest import PART_DIR
 from ..errors import DestinationError, PackerError, UrlError
 from ..lock import OutputLock
@@ -182,15 +184,19 @@ def _pack_and_upload(pack: Callable[..., dict[str, Any]], src: str | os.PathLike
     finished = MANIFEST in existing
     if existing and not replacing:
         what = "a packed dataset" if finished else f"{len(existing)} files but no {MANIFEST} (an interrupted upload?)"
-        raise DestinationError(f"{dest}: already holds {what}; pass --overwrite to replace it, or --resume to "
-                               "finish an interrupted one")
+        raise DestinationError(f"{dest}: already holds {what}; pass {spelled('overwrite')} to replace it, or "
+                               f"{spelled('resume')} to finish an interrupted one")
     if finished and rank == 0:  # first: no reader may pair the old manifest with new files
         retrying(lambda: fs.rm_file(remote.join(MANIFEST)), remote.join(MANIFEST), "delete")
     staging.parent.mkdir(parents=True, exist_ok=True)
     again = resume and ((staging / MANIFEST).exists() or (staging / JOURNAL).exists())
+    if again and (staging / MANIFEST).exists() and rank == 0:
+        print(f"packer: {dest}: the conversion had finished before the upload stopped; uploading the files that "
+              "are not there yet", file=sys.stderr)
     try:
-        manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=context is not None,
-                        **options)
+        with shown_as(staging, dest):  # messages name what the caller gave, not the staging folder
+            manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=context is not None,
+                            **options)
     finally:
         if context is not None:
             context.close()
