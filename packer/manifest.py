@@ -61,10 +61,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(dest: str | os.PathLike, manifest: dict) -> None:
-    write_json_atomic(Path(dest) / MANIFEST, manifest)
-
-
 def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
     """Parse and check a manifest; anything malformed is a :class:`ManifestError` naming ``where``."""
     try:

@@ -123,3 +123,19 @@ def run_packer():
                               encoding="utf-8", cwd=cwd, env=env, timeout=timeout)
 
     return run
+
+
+# Markers for a quick local run (`pytest -m "not slow and not distributed and not remote"`); CI runs everything.
+# Given by module here, so that a new test in one of these files is marked without anyone remembering to.
+_MARKS_BY_MODULE = {
+    "test_distributed": "distributed", "test_distributed_pack": "distributed",
+    "test_remote": "remote",
+    "test_bench": "slow", "test_resume_loader": "slow", "test_orphans": "slow", "test_untrusted": "slow",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        mark = _MARKS_BY_MODULE.get(item.module.__name__.rpartition(".")[2]) if item.module else None
+        if mark:
+            item.add_marker(mark)

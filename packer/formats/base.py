@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from ..errors import CorruptDataError
+from ..fields import Field, extra_fields, fields_crc32, schema_of
 from ..manifest import read_manifest
 from ..transforms import Encoded, TransformSpec
 
@@ -34,15 +35,18 @@ class Writer(ABC):
     # read in its stored order (streamed), so that order should be a shuffle: packing shuffles by default
     READ_IN_ORDER: ClassVar[bool] = False
 
-    def __init__(self, dest: Path, spec: TransformSpec):
+    def __init__(self, dest: Path, spec: TransformSpec, options: dict[str, Any] | None = None):
         self.dest = dest
         self.spec = spec
         self.count = 0
+        # the fields beyond the image and the class (options["schema"]: absent for image-and-class datasets)
+        self.extra_fields: list[Field] = extra_fields((options or {}).get("schema") or schema_of({}))
 
     @abstractmethod
-    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
-        """Append one sample; its index is ``self.count`` before the call. When the call made samples durable
-        (a committed transaction, a finished shard), return how many are now durable, else None."""
+    def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
+        """Append one sample; its index is ``self.count`` before the call. ``extras`` are the stored bytes of
+        :attr:`extras`' fields, in order. When the call made samples durable (a committed transaction, a
+        finished shard), return how many are now durable, else None."""
 
     def state(self) -> dict[str, Any]:
         """What :meth:`restore` needs to continue after the durable samples; saved in the journal."""
@@ -92,6 +96,8 @@ class Reader(ABC):
         if self.manifest.get("parts") is not None and not self.ACCEPTS_PARTS:
             raise ValueError(f"{self.root}: converted in {len(self.manifest['parts'])} parts (by several ranks); "
                              "open it with packer.open_dataset")
+        self.schema: list[Field] = schema_of(self.manifest, str(self.root / "manifest.json"))
+        self.extra_fields: list[Field] = extra_fields(self.schema)
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx: dict[str, int] = dict(self.manifest["class_to_idx"])
         self.spec = TransformSpec.from_dict(self.manifest["transform"])
@@ -112,6 +118,36 @@ class Reader(ABC):
     def read_many(self, indices: list[int]) -> list[Sample]:
         """Several samples at once; formats override this to serve a batch in one call."""
         return [self.read(i) for i in indices]
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        """The stored bytes of sample ``index``'s extra fields (:attr:`extras`, in order); the reader is open.
+        Formats with extra fields implement it."""
+        return ()
+
+    def fields_checksum(self, index: int) -> int | None:
+        """The checksum recorded for sample ``index``'s extra fields (:func:`packer.fields.fields_crc32`)."""
+        return None
+
+    def read_fields(self, index: int, verify: bool = False) -> dict[str, memoryview | bytes]:
+        """Sample ``index``'s extra fields as stored bytes, by name (decode them with :func:`packer.fields.decode`;
+        images and masks are encoded images). With ``verify``, their checksum is checked first."""
+        if not self.extra_fields:
+            return {}
+        index = self.check_index(index)
+        self.open()
+        values = self.read_extras(index)
+        if len(values) != len(self.extra_fields):
+            raise CorruptDataError(f"{self.describe(index)}: holds {len(values)} fields, the manifest says "
+                                   f"{len(self.extra_fields)}; run `packer verify`")
+        crc = self.fields_checksum(index) if verify else None
+        if crc is not None and fields_crc32(values) != crc:
+            raise CorruptDataError(f"{self.describe(index)}: checksum mismatch in its fields, the stored bytes are "
+                                   "damaged; run `packer verify` and re-pack")
+        return {f.name: v for f, v in zip(self.extra_fields, values, strict=True)}
+
+    def read_fields_many(self, indices: list[int], verify: bool = False) -> list[dict[str, memoryview | bytes]]:
+        """:meth:`read_fields` of several samples."""
+        return [self.read_fields(i, verify) for i in indices]
 
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Formats that can copy a batch of fixed-shape raw images in one call do so into ``out`` and return the
@@ -191,7 +227,9 @@ class Reader(ABC):
     def check_label(self, index: int, label: int) -> None:
         """The crc32 covers the payload only, so a damaged label is caught by comparing it with the class folder
         that starts the sample's relative path, which packer stores separately (ImageFolder: that folder is the
-        class)."""
+        class). A dataset packed from a table or from shards has no class folders: its label is not checked so."""
+        if "fields" in self.manifest:
+            return
         folder = self.relpath(index).split("/", 1)[0]
         expected = self.class_to_idx.get(folder)
         if expected is not None and expected != label:

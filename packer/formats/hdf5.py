@@ -5,7 +5,11 @@ Datasets (all contiguous, uncompressed, readable by plain h5py and ``h5dump``):
 - ``images``: raw images of a fixed shape as one ``(N, H, W, C)`` array; otherwise one ``uint8`` blob of every
   payload end to end, with ``offsets`` (``int64``, N+1) giving sample ``i`` as ``images[offsets[i]:offsets[i+1]]``;
 - ``shapes`` (``uint16``, N x 3): each image's (H, W, C);
-- ``labels`` (``int64``), ``crc32`` (``uint32``, of each payload), ``relpaths`` (UTF-8 strings).
+- ``labels`` (``int64``), ``crc32`` (``uint32``, of each payload), ``relpaths`` (UTF-8 strings);
+- a dataset with fields beyond the image and its class (the manifest's ``fields``): per extra field, a number
+  field of fixed shape as one typed dataset ``fields/NAME`` (``int64`` or ``float32``, N or N x n), any other as
+  a group ``fields/NAME`` holding ``values`` (``uint8``, every value's bytes end to end) and ``offsets``
+  (``int64``, N+1); and ``fields_crc32`` (``uint32``, :func:`packer.fields.fields_crc32` of each sample's).
 
 During conversion payloads stream into a temporary blob file; ``close`` copies it into a contiguous dataset of
 the final size (HDF5 cannot grow a dataset without chunking it, and chunks cannot be memory-mapped).
@@ -22,6 +26,7 @@ import h5py
 import numpy as np
 
 from ..errors import CorruptDataError
+from ..fields import NUMERIC, Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register
@@ -44,10 +49,10 @@ def enumerate_path_chunks(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[tu
 
 class Hdf5Writer(Writer):
     RESUMES_FROM = "nothing: it writes its file whole at the end"
-    FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp")
+    FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp", FILENAME + ".field-*.tmp")
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec)
+        super().__init__(dest, spec, options)
         self.blob_path = dest / (FILENAME + ".blob.tmp")
         self.paths_path = dest / (FILENAME + ".paths.tmp")
         self.blob = open(self.blob_path, "wb")
@@ -56,8 +61,17 @@ class Hdf5Writer(Writer):
         self.labels = array("q")
         self.crcs = array("I")  # 4 bytes; "L" is 8 on 64-bit Linux and would not match uint32
         self.shapes = array("H")
+        self.field_paths = [dest / f"{FILENAME}.field-{k}.tmp" for k in range(len(self.extra_fields))]
+        self.field_blobs = [open(path, "wb") for path in self.field_paths]
+        self.field_offsets = [array("q", [0]) for _ in self.extra_fields]
+        self.fields_crcs = array("I")
 
-    def write(self, label: int, relpath: str, item: Encoded) -> None:
+    def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> None:
+        for blob, offsets, value in zip(self.field_blobs, self.field_offsets, extras, strict=True):
+            blob.write(value)
+            offsets.append(offsets[-1] + len(value))
+        if self.extra_fields:
+            self.fields_crcs.append(fields_crc32(extras))
         self.blob.write(item.payload)
         self.paths.write(relpath.encode("utf-8") + b"\0")
         self.offsets.append(self.offsets[-1] + len(item.payload))
@@ -69,27 +83,20 @@ class Hdf5Writer(Writer):
     def close(self) -> dict[str, Any]:
         self.blob.close()
         self.paths.close()
+        self._close_fields()
         n = self.count
         shape = self.spec.fixed_shape
         path = self.dest / FILENAME
         # The temporary files are read in COPY_BYTES pieces, not memory-mapped or read whole: a map's pages count
         # in the process's RSS (and a job's cgroup), so the peak grew with the dataset (store original: 211 MB at
         # 3,000 images, 1,283 MB at 24,000); now it stays flat (120 and 126 MB, benchmarks/pack_memory.py).
-        with h5py.File(path, "w", libver="earliest") as f, open(self.blob_path, "rb") as blob:
+        with h5py.File(path, "w", libver="earliest") as f:
             if self.spec.store == "raw" and shape:
-                dtype = np.dtype(self.spec.dtype)
-                images = f.create_dataset("images", (n, *shape), dtype=dtype)
-                per = int(np.prod(shape))  # values an image
-                step = max(1, COPY_BYTES // (per * dtype.itemsize))
-                for a in range(0, n, step):
-                    b = min(n, a + step)
-                    images[a:b] = np.fromfile(blob, dtype=dtype, count=(b - a) * per).reshape(b - a, *shape)
+                images = f.create_dataset("images", (n, *shape), dtype=np.dtype(self.spec.dtype))
+                _copy_rows(self.blob_path, images)
             else:
                 total = self.offsets[-1]
-                images = f.create_dataset("images", (total,), dtype=np.uint8)
-                for a in range(0, total, COPY_BYTES):
-                    images[a:min(total, a + COPY_BYTES)] = np.fromfile(blob, dtype=np.uint8,
-                                                                       count=min(COPY_BYTES, total - a))
+                _copy_rows(self.blob_path, f.create_dataset("images", (total,), dtype=np.uint8))
                 f.create_dataset("offsets", data=np.frombuffer(self.offsets, dtype=np.int64))
             f.create_dataset("shapes", data=np.frombuffer(self.shapes, dtype=np.uint16).reshape(n, 3))
             f.create_dataset("labels", data=np.frombuffer(self.labels, dtype=np.int64))
@@ -97,15 +104,49 @@ class Hdf5Writer(Writer):
             relpaths = f.create_dataset("relpaths", (n,), dtype=h5py.string_dtype("utf-8"))
             for a, chunk in enumerate_path_chunks(self.paths_path):
                 relpaths[a:a + len(chunk)] = np.array(chunk, dtype=object)
+            for field, path, offsets in zip(self.extra_fields, self.field_paths, self.field_offsets, strict=True):
+                _write_field(f, field, path, offsets, n)
+            if self.extra_fields:
+                f.create_dataset("fields_crc32", data=np.array(self.fields_crcs, dtype=np.uint32))
             f.attrs["packer_store"] = self.spec.store
             f.attrs["packer_dtype"] = self.spec.dtype
         self.blob_path.unlink()
         self.paths_path.unlink()
+        for path in self.field_paths:
+            path.unlink()
         return {"files": [file_entry(self.dest, FILENAME)]}
 
     def abort(self) -> None:
         self.blob.close()
         self.paths.close()
+        for blob in self.field_blobs:
+            blob.close()
+
+    def _close_fields(self) -> None:
+        for blob in self.field_blobs:
+            blob.close()
+
+
+def _copy_rows(source: Path, target: h5py.Dataset) -> None:
+    """Fill ``target`` from the raw values in file ``source``, COPY_BYTES at a time."""
+    n, row = target.shape[0], target.shape[1:]
+    per = max(1, int(np.prod(row)))  # values a row
+    step = max(1, COPY_BYTES // (per * target.dtype.itemsize))
+    with open(source, "rb") as blob:
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            target[a:b] = np.fromfile(blob, dtype=target.dtype, count=(b - a) * per).reshape(b - a, *row)
+
+
+def _write_field(f: h5py.File, field: Field, path: Path, offsets: array, n: int) -> None:
+    """One extra field into ``fields/NAME``: a typed array when every value has the same number shape, else its
+    bytes and offsets."""
+    if field.kind in NUMERIC and field.shape is not None:
+        _copy_rows(path, f.create_dataset(f"fields/{field.name}", (n, *field.shape), dtype=NUMERIC[field.kind]))
+        return
+    group = f.create_group(f"fields/{field.name}")
+    _copy_rows(path, group.create_dataset("values", (offsets[-1],), dtype=np.uint8))
+    group.create_dataset("offsets", data=np.frombuffer(offsets, dtype=np.int64))
 
 
 def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
@@ -125,7 +166,7 @@ class Hdf5Reader(Reader):
     through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
     filesystems; the file is never written after packing."""
 
-    HANDLES = ("file", "images", "offsets", "shapes", "labels", "crcs")
+    HANDLES = ("file", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
 
     def __init__(self, root, manifest: dict | None = None, locking: bool = False):
         super().__init__(root, manifest)
@@ -133,6 +174,8 @@ class Hdf5Reader(Reader):
         self._count = int(self.manifest["count"])
         self.path = self.root / FILENAME
         self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
+        self.field_maps: list[tuple[np.ndarray, np.ndarray | None]] | None = None
+        self.fields_crcs: np.ndarray | None = None
         self._file_id = file_id(self.path)  # the file the manifest just read describes
 
     def __len__(self) -> int:
@@ -152,6 +195,8 @@ class Hdf5Reader(Reader):
             self.shapes = _memmap(self.path, self.file["shapes"])
             self.labels = _memmap(self.path, self.file["labels"])
             self.crcs = _memmap(self.path, self.file["crc32"])
+            self.field_maps = [self._field_map(field) for field in self.extra_fields]
+            self.fields_crcs = _memmap(self.path, self.file["fields_crc32"]) if self.extra_fields else None
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
         if file_id(self.path) != recorded:  # replaced while it was being opened
@@ -169,6 +214,34 @@ class Hdf5Reader(Reader):
                 raise CorruptDataError(f"{self.describe(index)}: offsets out of range; run `packer verify`")
             payload = memoryview(self.images[a:b])
         return Sample(payload, int(self.labels[index]), tuple(self.shapes[index].tolist()), int(self.crcs[index]))
+
+    def _field_map(self, field: Field) -> tuple[np.ndarray, np.ndarray | None]:
+        """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
+        node = self.file[f"fields/{field.name}"]
+        if isinstance(node, h5py.Dataset):
+            values = _memmap(self.path, node)
+            if len(values) != self._count:
+                raise ValueError(f"fields/{field.name} holds {len(values)} rows, not {self._count}")
+            return values, None
+        offsets = _memmap(self.path, node["offsets"])
+        if len(offsets) != self._count + 1:
+            raise ValueError(f"fields/{field.name}/offsets holds {len(offsets)} rows, not {self._count + 1}")
+        return _memmap(self.path, node["values"]), offsets
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        values = []
+        for values_map, offsets in self.field_maps:
+            if offsets is None:
+                values.append(memoryview(np.ascontiguousarray(values_map[index])).cast("B"))
+                continue
+            a, b = int(offsets[index]), int(offsets[index + 1])
+            if not 0 <= a <= b <= len(values_map):
+                raise CorruptDataError(f"{self.describe(index)}: field offsets out of range; run `packer verify`")
+            values.append(memoryview(values_map[a:b]))
+        return tuple(values)
+
+    def fields_checksum(self, index: int) -> int | None:
+        return int(self.fields_crcs[index])
 
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""

@@ -15,7 +15,11 @@ Values are a 24-byte little-endian header, the relative path (UTF-8), then the p
     20     4     length of the payload in bytes (uint32)
 
 The payload is the encoded image (original/jpeg/png) or the raw pixels, C-order (H, W, C), of the manifest's
-dtype. Plain py-lmdb reads it: ``lmdb.open(DEST, readonly=True, lock=False)``.
+dtype. A dataset with fields beyond the image and its class (the manifest's ``fields``) has records with magic
+``PKR2``, whose payload is followed by the extra fields, in the manifest's order (skipping ``image`` and the
+class): a uint32 crc32 of them (:func:`packer.fields.fields_crc32`), a uint32 count n, n uint32 lengths, then
+the n values end to end (their bytes as :mod:`packer.fields` stores them). Plain py-lmdb reads it:
+``lmdb.open(DEST, readonly=True, lock=False)``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import lmdb
 
 from ..errors import CorruptDataError, PackerError
+from ..fields import fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register
@@ -38,16 +43,42 @@ from .identity import FileId, changed_error, check_unchanged, file_id
 
 HEADER = struct.Struct("<4siIHHBBHI")
 MAGIC = b"PKR1"
+MAGIC_FIELDS = b"PKR2"  # the payload is followed by the extra fields
+FIELDS_HEADER = struct.Struct("<II")  # crc32 of the fields, their count
 
 
 def key(index: int) -> bytes:
     return b"%010d" % index
 
 
-def pack_record(label: int, relpath: str, item: Encoded) -> bytes:
+def pack_record(label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] | None = None) -> bytes:
+    """A record: header, relative path, payload, and with ``extras`` (a dataset with fields) the fields."""
     path = relpath.encode("utf-8")
     h, w, c = item.shape
-    return HEADER.pack(MAGIC, label, item.crc32, h, w, c, 0, len(path), len(item.payload)) + path + item.payload
+    magic = MAGIC if extras is None else MAGIC_FIELDS
+    record = HEADER.pack(magic, label, item.crc32, h, w, c, 0, len(path), len(item.payload)) + path + item.payload
+    if extras is None:
+        return record
+    lengths = struct.pack(f"<{len(extras)}I", *map(len, extras))
+    return b"".join((record, FIELDS_HEADER.pack(fields_crc32(extras), len(extras)), lengths, *extras))
+
+
+def unpack_fields(view: memoryview, where: str) -> tuple[tuple[memoryview, ...], int]:
+    """The extra fields after a ``PKR2`` record's payload, and their checksum."""
+    if len(view) < FIELDS_HEADER.size:
+        raise CorruptDataError(f"{where}: record ends before its fields; the record is damaged, re-pack")
+    crc, n = FIELDS_HEADER.unpack_from(view)
+    start = FIELDS_HEADER.size + 4 * n
+    if len(view) < start:
+        raise CorruptDataError(f"{where}: record ends inside its fields' lengths; the record is damaged, re-pack")
+    lengths = struct.unpack_from(f"<{n}I", view, FIELDS_HEADER.size)
+    if start + sum(lengths) != len(view):
+        raise CorruptDataError(f"{where}: record length does not match its fields; the record is damaged, re-pack")
+    values = []
+    for length in lengths:
+        values.append(view[start:start + length])
+        start += length
+    return tuple(values), crc
 
 
 def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sample, str]:
@@ -56,16 +87,17 @@ def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sam
     if len(view) < HEADER.size:
         raise CorruptDataError(f"{where}: record is {len(view)} bytes, shorter than its header; re-pack")
     magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(view)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_FIELDS):
         raise CorruptDataError(f"{where}: record header is damaged (bad magic); re-pack")
-    if HEADER.size + path_len + size != len(view):
+    end = HEADER.size + path_len + size
+    if end != len(view) if magic == MAGIC else end > len(view):
         raise CorruptDataError(f"{where}: record length does not match its header; re-pack")
     start = HEADER.size + path_len
     try:
         relpath = bytes(view[HEADER.size:start]).decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptDataError(f"{where}: record path is not UTF-8; the record is damaged, re-pack") from None
-    return Sample(view[start:], label, (h, w, c), crc), relpath
+    return Sample(view[start:end], label, (h, w, c), crc), relpath
 
 
 class LmdbWriter(Writer):
@@ -75,7 +107,7 @@ class LmdbWriter(Writer):
     COMMIT_SAMPLES = 2000
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec)
+        super().__init__(dest, spec, options)
         # PACKER_LMDB_MAP_BYTES starts from a smaller map, so that tests reach the map growth in _commit
         map_size = (int(os.environ.get("PACKER_LMDB_MAP_BYTES", 0))
                     or max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5)))
@@ -86,8 +118,8 @@ class LmdbWriter(Writer):
         self.pending: list[tuple[bytes, bytes]] = []
         self.pending_bytes = 0
 
-    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
-        value = pack_record(label, relpath, item)
+    def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
+        value = pack_record(label, relpath, item, tuple(extras) if self.extra_fields else None)
         self.pending.append((key(self.count), value))
         self.pending_bytes += len(value)
         self.count += 1
@@ -300,7 +332,23 @@ class LmdbReader(Reader):
             start = HEADER.size + path_len
             if magic == MAGIC and start + size == len(value):
                 return Sample(value[start:], label, (h, w, c), crc)
+            if magic == MAGIC_FIELDS and start + size <= len(value):
+                return Sample(value[start:start + size], label, (h, w, c), crc)
         return self._get(index)[0]  # raises the detailed error
+
+    def _fields(self, index: int) -> tuple[tuple[memoryview, ...], int]:
+        value = self._value(index)
+        where = self.describe(index)
+        if len(value) < HEADER.size or bytes(value[:4]) != MAGIC_FIELDS:
+            raise CorruptDataError(f"{where}: record has no fields, the manifest says it has; run `packer verify`")
+        *_, path_len, size = HEADER.unpack_from(value)
+        return unpack_fields(memoryview(value)[HEADER.size + path_len + size:], where)
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        return self._fields(index)[0]
+
+    def fields_checksum(self, index: int) -> int | None:
+        return self._fields(index)[1]
 
     def relpath(self, index: int) -> str:
         self.open()

@@ -135,6 +135,14 @@ class PartedReader(Reader):
             labels[where] = got
         return labels
 
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        p, local = self.locate(index)
+        return self._part(p).read_extras(local)
+
+    def fields_checksum(self, index: int) -> int | None:
+        p, local = self.locate(index)
+        return self._part(p).fields_checksum(local)
+
     def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
         p, local = self.locate(index)
         return self.readers[p].stored_array(local, sample)

@@ -7,6 +7,14 @@ Each sample is three adjacent members named by a dot-free key, the 9-digit sampl
 distributed conversion each rank's part (``part-00000/shard-000000.tar``...) numbers its keys from its first
 position in the output order, so keys stay unique across parts.
 
+A dataset with fields beyond the image and its class (the manifest's ``fields``) adds one member per extra field
+after those, in the manifest's order, named ``000000042.NAME.EXT`` (``000000042.EXT`` when the field is named
+as its extension, as foreign ``txt``/``json`` members are): text ``txt``, JSON ``json``, an integer ``cls``
+(ASCII digits), other numbers and vectors ``npy``, bytes ``bin``, a mask ``png``, a second image under its own
+extension: the names the ``webdataset`` library decodes. Without a class field there is no ``.cls`` member; when
+a field is named ``json``, packer's own member is ``000000042.packer.json``. The json member records the
+fields' checksum (``fields_crc32``).
+
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
 written under ``.tmp`` names and renamed once complete.
@@ -41,10 +49,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from PIL import Image
 
 from ..errors import CorruptDataError, PackerError, warn
+from ..fields import NUMERIC, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
-from ..transforms import Encoded
+from ..transforms import EXTENSION_BY_FORMAT, Encoded
 from .base import Reader, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
 
@@ -69,6 +79,52 @@ def default_shard_samples(count: int, estimated_bytes: int, shard_bytes: int) ->
     return max(1, min(math.ceil(count / shards), (count - 1) // (shards - 1)))
 
 
+def member_suffix(field: Field, image_ext: str = "png") -> str:
+    """The member name after the key of an extra field: ``NAME.EXT``, or ``EXT`` for a field named as its
+    extension. An image field's extension is its encoded format's."""
+    if field.kind in NUMERIC:
+        ext = "cls" if field.kind == "int64" and field.shape == () else "npy"
+    else:
+        ext = {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
+    return ext if field.name == ext else f"{field.name}.{ext}"
+
+
+def _image_ext(value: bytes) -> str:
+    """The extension of an encoded image (a second image or mask field), from its header."""
+    try:
+        with Image.open(io.BytesIO(value)) as image:
+            return EXTENSION_BY_FORMAT.get(image.format or "", "png")
+    except (OSError, ValueError):
+        return "png"
+
+
+def member_bytes(field: Field, value: bytes) -> bytes:
+    """An extra field's member: its stored bytes, except numbers kept as webdataset decodes them (digits for an
+    integer, .npy for the rest)."""
+    if field.kind not in NUMERIC:
+        return value
+    dtype = NUMERIC[field.kind]
+    array = np.frombuffer(value, dtype)
+    if field.kind == "int64" and field.shape == ():
+        return str(int(array[0])).encode("ascii")
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array if field.shape is None else array.reshape(field.shape), allow_pickle=False)
+    return buf.getvalue()
+
+
+def stored_bytes(field: Field, member: bytes | memoryview, where: str) -> bytes | memoryview:
+    """The inverse of :func:`member_bytes`."""
+    if field.kind not in NUMERIC:
+        return member
+    try:
+        if field.kind == "int64" and field.shape == ():
+            return np.array([int(bytes(member))], "<i8").tobytes()
+        array = np.lib.format.read_array(io.BytesIO(bytes(member)), allow_pickle=False)
+        return np.ascontiguousarray(array, NUMERIC[field.kind]).tobytes()
+    except Exception as exc:  # numpy's .npy parser raises several kinds
+        raise CorruptDataError(f"{where}: member of field {field.name!r} is damaged ({exc}); re-pack") from None
+
+
 def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
     """The .npy file of a raw payload, and the length of its header."""
     buf = io.BytesIO()
@@ -84,7 +140,12 @@ class WdsWriter(Writer):
              PARTIAL_INDEX)
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec)
+        super().__init__(dest, spec, options)
+        schema = options.get("schema") or ()
+        self.has_label = not schema or label_field(schema) is not None
+        self.meta_ext = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        if self.has_label and any(member_suffix(f) == "cls" for f in self.extra_fields):
+            raise PackerError(f"{dest}: field 'cls' would be a second .cls member beside the class; rename it")
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
@@ -156,26 +217,34 @@ class WdsWriter(Writer):
         self.shards, self.count = shards, count
         return count
 
-    def write(self, label: int, relpath: str, item: Encoded) -> int | None:
+    def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
         keyname = f"{self.key_offset + self.count:09d}"
         if item.ext == "raw":
             data, header = npy_bytes(item.payload, item.shape, self.spec.dtype)
             ext = "npy"
         else:
             data, header, ext = item.payload, 0, item.ext
-        meta = json.dumps({"relpath": relpath, "label": label,
-                           "class": self.classes[label] if label < len(self.classes) else str(label),
-                           "shape": list(item.shape)}, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        info: dict[str, Any] = {"relpath": relpath, "label": label, "shape": list(item.shape)}
+        if self.has_label:
+            info["class"] = self.classes[label] if 0 <= label < len(self.classes) else str(label)
+        members = [(f"{keyname}.{ext}", data)]
+        if self.has_label:
+            members.append((f"{keyname}.cls", str(label).encode("ascii")))
+        if self.extra_fields:
+            info["fields_crc32"] = fields_crc32(extras)
+        meta = json.dumps(info, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        members.append((f"{keyname}.{self.meta_ext}", meta))
+        members += [(f"{keyname}.{member_suffix(field, _image_ext(value) if field.dense else '')}",
+                     member_bytes(field, value)) for field, value in zip(self.extra_fields, extras, strict=True)]
         full = self.tar is not None and (
             self.in_shard >= self.shard_samples
-            or (self.shard_bytes and self._size_after(len(data), len(str(label)), len(meta)) > self.shard_bytes))
+            or (self.shard_bytes and self._size_after(*(len(m) for _, m in members)) > self.shard_bytes))
         durable = None
         if self.tar is None or full:
             durable = self.count if self.tar is not None else None
             self._start_shard()
-        offset = self._add(f"{keyname}.{ext}", data) + header
-        self._add(f"{keyname}.cls", str(label).encode("ascii"))
-        json_offset = self._add(f"{keyname}.json", meta)
+        offsets = [self._add(name, member) for name, member in members]
+        offset, json_offset = offsets[0] + header, offsets[len(members) - len(extras) - 1]
         if self.count >= len(self.index):
             self.index = np.resize(self.index, 2 * len(self.index))
         self.index[self.count] = (len(self.shards) - 1, offset, len(item.payload), json_offset, len(meta), label,
@@ -454,6 +523,45 @@ class WdsReader(Reader):
                                    "run `packer verify` and re-pack")
         return Sample(memoryview(m)[a:a + size], label, tuple(shape.tolist()), crc if self._has_crc else None)
 
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        """The members after the json member, in order: each header names the field it should be."""
+        row = self.index[index]
+        shard = int(row["shard"])
+        m = memoryview(self._map(shard))
+        at = -(-(int(row["json_offset"]) + int(row["json_size"])) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        values = []
+        for field in self.extra_fields:
+            where = f"{self.shard_paths[shard]} sample {index}"
+            try:
+                info = tarfile.TarInfo.frombuf(bytes(m[at:at + tarfile.BLOCKSIZE]), "utf-8", "surrogateescape")
+            except tarfile.TarError:
+                info = None
+            start = at + tarfile.BLOCKSIZE
+            suffix = "" if info is None else info.name.partition(".")[2]
+            if (info is None or not (suffix == field.name or suffix.startswith(field.name + "."))
+                    or start + info.size > len(m)):
+                raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
+                                       "run `packer verify` and re-pack")
+            values.append(stored_bytes(field, m[start:start + info.size], where))
+            at = start + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        return tuple(values)
+
+    def fields_checksum(self, index: int) -> int | None:
+        crc = self._info(index).get("fields_crc32")
+        return crc if isinstance(crc, int) else None
+
+    def _info(self, index: int) -> dict:
+        """Packer's json member of sample ``index``."""
+        row = self.index[index]
+        a, size = int(row["json_offset"]), int(row["json_size"])
+        try:
+            info = json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))
+            if isinstance(info, dict):
+                return info
+        except ValueError:
+            pass
+        raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+
     def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
             return self._as_array(index, sample, "uint8")
@@ -463,12 +571,10 @@ class WdsReader(Reader):
         if self.foreign is not None:
             return str(self.foreign.relpaths[index])
         self.open()
-        row = self.index[index]
-        a, size = int(row["json_offset"]), int(row["json_size"])
-        try:
-            return json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))["relpath"]
-        except (ValueError, KeyError):
-            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack") from None
+        relpath = self._info(index).get("relpath")
+        if not isinstance(relpath, str):
+            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+        return relpath
 
     def describe(self, index: int) -> str:
         if self.index is not None and 0 <= index < len(self.index):
@@ -507,12 +613,15 @@ class WdsReader(Reader):
     def _member_problem(self, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, shard_no: int,
                         key_offset: int) -> list[str]:
         key, _, ext = member.name.partition(".")
-        if ext not in ("cls", "json") or not key.isdigit() or not 0 <= int(key) - key_offset < len(self):
+        meta = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        if ext not in ("cls", meta) or label_field(self.schema) is None or not key.isdigit():
+            return []
+        if not 0 <= int(key) - key_offset < len(self):
             return []
         index = int(key) - key_offset
         data = tar.extractfile(member).read()
         try:
-            label = int(data) if ext == "cls" else int(json.loads(data)["label"])
+            label = int(data) if ext == "cls" else int(json.loads(data)["label"])  # packer's json member
         except (ValueError, KeyError, TypeError):
             label = None
         row = self.index[index]

@@ -1,0 +1,128 @@
+"""packer.fields: typing table columns, and every kind's stored bytes back to the same value."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from packer.errors import ManifestError
+from packer.fields import (
+    Field,
+    cell_value,
+    decode,
+    encode,
+    extra_fields,
+    fields_crc32,
+    infer_field,
+    is_pair_schema,
+    label_field,
+    parse_field_option,
+    schema_of,
+)
+
+
+@pytest.mark.parametrize("field, value", [
+    (Field("n", "int64"), -(2**62)),
+    (Field("x", "float32"), 0.25),
+    (Field("box", "float32", (4,)), [0.5, 1.0, 2.0, 4.0]),
+    (Field("tags", "int64", None), [3, 1, 4, 1, 5]),
+    (Field("tags", "int64", None), []),
+    (Field("caption", "text"), "a photo of an astronaut, ünïcode"),
+    (Field("meta", "json"), {"b": [1, 2], "a": None}),
+    (Field("blob", "bytes"), b"\x00\xff"),
+])
+def test_every_kind_round_trips(field, value):
+    got = decode(field, encode(field, value))
+    if isinstance(got, np.ndarray):
+        assert got.tolist() == list(value)
+    else:
+        assert got == value
+
+
+def test_stored_bytes_are_what_plain_tools_read():
+    assert encode(Field("n", "int64"), 7) == np.int64(7).astype("<i8").tobytes()
+    assert np.frombuffer(encode(Field("b", "float32", (2,)), [1, 2]), "<f4").tolist() == [1.0, 2.0]
+    assert json.loads(encode(Field("m", "json"), {"z": 1, "a": 2})) == {"a": 2, "z": 1}
+
+
+def test_a_vector_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="box"):
+        encode(Field("box", "float32", (4,)), [1, 2, 3])
+    with pytest.raises(ValueError, match="stored bytes"):
+        decode(Field("box", "float32", (4,)), b"\0" * 12)
+
+
+@pytest.mark.parametrize("cells, expected", [
+    (["1", "-2", "30"], Field("c", "int64")),
+    ([1, 2], Field("c", "int64")),
+    (["1.5", "2", "1e3"], Field("c", "float32")),
+    (["[1, 2]", "[3, 4]"], Field("c", "int64", (2,))),
+    ([[1.5, 2], [3, 4]], Field("c", "float32", (2,))),
+    (["[1]", "[2, 3]"], Field("c", "int64", None)),
+    (['{"a": 1}', '{"b": [2]}'], Field("c", "json")),
+    ([["cat", "dog"], ["cat"]], Field("c", "json")),
+    (["masks/a.png", "masks/b.PNG"], Field("c", "image")),
+    (["a dog", "12"], Field("c", "text")),
+    (["true", "false"], Field("c", "text")),
+    (["nan"], Field("c", "text")),
+])
+def test_columns_are_typed_from_their_cells(cells, expected):
+    assert infer_field("c", cells) == expected
+
+
+def test_cells_that_do_not_fit_their_type_say_why():
+    with pytest.raises(ValueError, match="not an integer"):
+        cell_value(Field("n", "int64"), "1.5")
+    with pytest.raises(ValueError, match="2 values, the column holds 4"):
+        cell_value(Field("box", "float32", (4,)), "[1, 2]")
+    with pytest.raises(ValueError, match="not JSON"):
+        cell_value(Field("m", "json"), "{oops")
+    with pytest.raises(ValueError, match="empty"):
+        cell_value(Field("caption", "text"), "")
+    assert cell_value(Field("box", "float32", (2,)), "[1, 2.5]") == [1, 2.5]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("caption:text", Field("caption", "text")),
+    ("box:float32[4]", Field("box", "float32", (4,))),
+    ("tags:int64[]", Field("tags", "int64", None)),
+    ("seg:mask", Field("seg", "mask", (), "uint8")),
+    ("subject:class", Field("subject", "class")),
+])
+def test_field_option(text, expected):
+    assert parse_field_option(text) == expected
+
+
+@pytest.mark.parametrize("text", ["caption", "caption:string", "seg:mask[2]", "bad name:text", ":text"])
+def test_malformed_field_option_is_one_line(text):
+    with pytest.raises(ValueError) as info:
+        parse_field_option(text)
+    assert "\n" not in str(info.value)
+
+
+def test_schemas():
+    pair = schema_of({})
+    assert is_pair_schema(pair) and label_field(pair).name == "label" and extra_fields(pair) == []
+    schema = [Field("image", "image"), Field("subject", "class"), Field("caption", "text"),
+              Field("seg", "mask", (), "uint8")]
+    manifest = {"fields": [f.to_dict() for f in schema]}
+    assert schema_of(json.loads(json.dumps(manifest))) == schema
+    assert not is_pair_schema(schema)
+    assert [f.name for f in extra_fields(schema)] == ["caption", "seg"]
+
+
+@pytest.mark.parametrize("fields", [
+    [], [{"name": "caption", "kind": "text"}], [{"name": "image", "kind": "image"}, {"name": "x", "kind": "what"}],
+    [{"name": "image", "kind": "image"}, {"name": "a/b", "kind": "text"}],
+    [{"name": "image", "kind": "image"}, {"name": "v", "kind": "int64", "shape": [-3]}],
+    [{"name": "image", "kind": "image"}, {"name": "t", "kind": "text"}, {"name": "t", "kind": "text"}],
+])
+def test_a_damaged_schema_is_a_manifest_error(fields):
+    with pytest.raises(ManifestError, match="manifest.json"):
+        schema_of({"fields": fields})
+
+
+def test_fields_checksum_sees_moved_bytes():
+    assert fields_crc32([b"ab", b"c"]) != fields_crc32([b"a", b"bc"])
