@@ -200,7 +200,7 @@ class PackedDataset(Decoding, Dataset):
         index = self.reader.check_index(index)
         self.reader.open()
         if not self._pair:
-            raw = self.reader.read_fields(index) if self._fields.needs_fields else {}
+            raw = self.reader.read_fields(index, self.verify) if self._fields.needs_fields else {}
             return self._item(index, self._verified(index, self.reader.read(index)), raw, epoch)
         sample = self._verified(index, self.reader.read(index))
         arr = self.decode_array(index, sample, epoch=epoch)
@@ -311,7 +311,7 @@ class PackedDataset(Decoding, Dataset):
         reader, fields = self.reader, self._fields
         indices, epochs = self._batch_indices(indices)
         samples = reader.read_many(indices)
-        raws = reader.read_fields_many(indices) if fields.needs_fields else [{}] * len(indices)
+        raws = reader.read_fields_many(indices, self.verify) if fields.needs_fields else [{}] * len(indices)
         values: dict[str, list] = {f.name: [None] * len(indices) for f in fields.selected if f.name not in outs}
         decode_row = self.row_decoder() if fields.image else None
 
@@ -385,7 +385,7 @@ class PackedDataset(Decoding, Dataset):
         reader = self.reader
         indices, epochs = self._batch_indices(indices)
         samples = reader.read_many(indices)
-        raws = reader.read_fields_many(indices) if self._fields.needs_fields else [{}] * len(indices)
+        raws = reader.read_fields_many(indices, self.verify) if self._fields.needs_fields else [{}] * len(indices)
         items: list = [None] * len(indices)
 
         def one(j: int) -> None:

@@ -25,7 +25,8 @@ from .errors import CorruptDataError, PackerError
 from .fieldbatch import collate_column, field_tensor
 from .fieldread import decode_mask, select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
-from .formats.wds import IMAGE_EXTS
+from .fields import decode as decode_value
+from .formats.wds import IMAGE_EXTS, stored_bytes
 from .manifest import read_manifest
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
@@ -71,29 +72,17 @@ def sample_of(path: Path, key: str, members: dict[str, bytes], extras: Sequence[
         member = field_member(field, members)
         if member is None:
             raise PackerError(f"{path}: sample {key} has no member for field {field.name!r}; run `packer verify`")
-        values[field.name] = members[member]
+        values[field.name] = stored_bytes(field, members[member], f"{path} sample {key}")
     label = int(members["cls"]) if "cls" in members else -1
     return key, members[ext], ext, label, values
 
 
-def field_member(field: Field, members: dict[str, bytes]) -> str | None:  # PROVISIONAL until F1's wds lands
+def field_member(field: Field, members: dict[str, bytes]) -> str | None:
+    """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
+    a field named as its extension (:func:`packer.formats.wds.member_suffix`)."""
     if field.name in members:
         return field.name
-    return next((m for m in members if m.split(".", 1)[0] == field.name), None)
-
-
-def member_value(field: Field, data: bytes) -> Any:  # PROVISIONAL until F1's wds lands
-    import json
-    if field.kind == "text":
-        return data.decode("utf-8")
-    if field.kind == "json":
-        return json.loads(data)
-    if field.kind == "class" or (field.kind == "int64" and field.shape == () and data[:6] != b"\x93NUMPY"):
-        return int(data)
-    if field.kind in ("int64", "float32"):
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
-        return arr.item() if field.shape == () else arr
-    return data
+    return next((m for m in members if m.startswith(field.name + ".")), None)
 
 
 def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -221,7 +210,7 @@ class ShardStreams(IterableDataset):
         for key, data, ext, label, values in batch:
             for name, column in columns.items():
                 if name == "image":
-                    column.append(torch.from_numpy(self._image(key, data, ext)).permute(2, 0, 1))
+                    column.append(field_tensor(by_name[name], self._image(key, data, ext)))
                 elif name == self.label_name:
                     column.append(label)
                 else:
@@ -232,12 +221,12 @@ class ShardStreams(IterableDataset):
 
 
     def _value(self, key: str, field: Field, data: bytes) -> Any:
-        """A field's member decoded: masks and images to arrays, the rest as :func:`member_value` reads it."""
+        """A field's stored bytes decoded: masks and images to arrays, the rest by :func:`packer.fields.decode`."""
         if field.kind == "mask":
             return decode_mask(data, f"{key} field {field.name!r}")
         if field.kind == "image":
             return decode(data, self.mode, f"{key} field {field.name!r}")
-        return member_value(field, data)
+        return decode_value(field, data)
 
 
 class StreamLoader:
