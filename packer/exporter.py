@@ -30,6 +30,7 @@ import csv
 import itertools
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from collections import deque
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from .dest import check_output, export_problems, prepare_output
 from .errors import CorruptDataError, DestinationError, PackerError
-from .fields import Field, decode, extra_fields, is_pair_schema, label_field, schema_of
+from .fields import NUMERIC, Field, decode, extra_fields, is_pair_schema, label_field, schema_of
 from .formats import open_reader
 from .formats.base import Reader
 from .manifest import is_safe_name, is_safe_relpath
@@ -204,9 +205,9 @@ def pack_command(out: Path, schema: list[Field]) -> str:
     if label is not None:
         parts += ["--label-column", label.name]
     for field in extra_fields(schema):
-        if field.kind in ("text", "json", "mask", "image"):
-            parts += ["--field", f"{field.name}:{field.kind}"]
-    return " ".join(parts)
+        size = "" if field.kind not in NUMERIC or field.shape == () else f"[{field.shape[0] if field.shape else ''}]"
+        parts += ["--field", f"{field.name}:{field.kind}{size}"]
+    return shlex.join(parts)
 
 
 def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], overwrite: bool,

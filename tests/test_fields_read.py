@@ -9,8 +9,12 @@ expected values are kept here: the references are numpy and Pillow on the values
 
 from __future__ import annotations
 
+import csv
 import io
 import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -375,3 +379,57 @@ def test_pair_dataset_is_unchanged(tmp_path):
     images, labels = next(iter(packer.make_loader(ds, batch_size=4, shuffle=False, num_workers=0)))
     assert labels.tolist() == [s["label"] for s in samples[:4]] and images.shape == (4, 3, HEIGHT, WIDTH)
     assert json.loads((tmp_path / "pair" / "manifest.json").read_text())["fields"][0]["name"] == "image"
+
+
+# -- export: images and a table that packs back ---------------------------------------------------------------------
+
+TABLE_SCHEMA = [f for f in SCHEMA if f.kind != "bytes"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    samples = write_dataset(root / "ds", "wds", TABLE_SCHEMA)
+    result = packer.export(root / "ds", root / "out", progress=False)
+    return root, samples, result
+
+
+def test_export_writes_images_and_a_table(exported):
+    root, samples, result = exported
+    out = root / "out"
+    assert result["count"] == COUNT and result["table"] == str(out / "annotations.csv")
+    with open(out / "annotations.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [f.name for f in TABLE_SCHEMA]
+    for row, want in zip(rows, samples, strict=True):
+        assert np.array_equal(np.asarray(Image.open(out / row["image"]).convert("RGB")), want["image"])
+        assert row["label"] == CLASSES[want["label"]] and row["caption"] == want["caption"]
+        assert np.float32(float(row["target"])) == want["target"] and int(row["count"]) == want["count"]
+        assert json.loads(row["tags"]) == want["tags"].tolist()
+        assert np.array_equal(np.asarray(json.loads(row["box"]), np.float32), want["box"])
+        assert json.loads(row["meta"]) == want["meta"]
+        for name in ("mask", "depth"):
+            assert np.array_equal(np.asarray(Image.open(out / row[name])), want[name])
+    assert "--field mask:mask" in result["command"] and "'tags:int64[]'" in result["command"]
+    with pytest.raises(packer.PackerError) as info:
+        write_dataset(root / "with-bytes", "hdf5", SCHEMA)
+        packer.export(root / "with-bytes", root / "out2", progress=False)
+    assert "'blob'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_export_then_pack_gives_the_same_samples(exported, tmp_path):
+    pytest.importorskip("packer.table", reason="the table source (f24-src) packs the exported table")
+    root, samples, result = exported
+    new = tmp_path / "new"
+    args = shlex.split(result["command"].replace(" NEW", f" {new}"))[1:]
+    run = subprocess.run([sys.executable, "-m", "packer", *args, "--format", "lmdb", "--store", "png"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    ds = packer.open_dataset(new)
+    assert {f.name: f for f in ds.fields} == {f.name: f for f in TABLE_SCHEMA}
+    by_caption = {s["caption"]: s for s in samples}
+    for i in range(len(ds)):
+        item = ds[i]
+        want = by_caption[item["caption"]]
+        for field in TABLE_SCHEMA:
+            check_value(field, item[field.name], want[field.name])
