@@ -174,11 +174,13 @@ def test_item_gives_every_field_exactly(datasets, fmt):
     ds = packer.open_dataset(dest)
     assert ds.fields == SCHEMA
     assert ds.classes == CLASSES
+    checked = packer.open_dataset(dest, verify=True)  # every field's checksum checked on read
     for i in range(len(ds)):
         item = ds[i]
         assert isinstance(item, dict) and list(item) == [f.name for f in SCHEMA]
         for field in SCHEMA:
             check_value(field, item[field.name], samples[i][field.name])
+            check_value(field, checked[i][field.name], samples[i][field.name])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
