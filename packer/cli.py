@@ -141,6 +141,13 @@ def info(dest, as_json) -> None:
     click.echo("\n".join(lines))
 
 
+def _field_words(entry: dict) -> str:
+    """``caption (text)``, ``box (float32[4])``, ``seg (mask uint8)``: a manifest field as ``info`` shows it."""
+    shape = entry.get("shape")
+    kind = entry["kind"] + ("[]" if "shape" in entry and shape is None else f"[{shape[0]}]" if shape else "")
+    return f"{entry['name']} ({kind}{' ' + entry['pixels'] if entry.get('pixels') else ''})"
+
+
 def info_lines(dest: str, manifest: dict) -> list[str]:
     t = manifest["transform"]
     lines = [summary_line(dest, manifest),
@@ -161,6 +168,8 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
         lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
     order = manifest.get("order", {})
     lines.append(f"  order: {'shuffled, seed ' + str(order.get('seed')) if order.get('shuffle') else 'scan order'}")
+    if "fields" in manifest:
+        lines.append("  fields: " + ", ".join(_field_words(f) for f in manifest["fields"]))
     for entry in manifest.get("skipped", []):
         lines.append(f"  skipped {entry['path']}: {entry['error']}")
     if manifest.get("hidden_skipped"):

@@ -31,12 +31,14 @@ from tqdm import tqdm
 from . import __version__
 from .dest import dataset_problems, prepare_output
 from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
+from .fields import is_pair_schema
 from .formats.base import get_format
 from .journal import save, write_failed
 from .lock import check_parts_free
-from .manifest import FORMAT_VERSION
+from .manifest import FORMAT_VERSION, PLAIN_FORMAT_VERSION
 from .options import PackOptions
-from .sources import SampleReader, Source, open_source
+from .source_base import SampleReader, Source
+from .sources import open_source
 from .system import process_context, usable_cores
 from .transforms import TransformSpec
 
@@ -44,17 +46,18 @@ CHUNK = 16
 
 
 def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
-    """Convert ``(position, source index)`` items; returns ``(position, relpath, label, Encoded or error)``."""
+    """Convert ``(position, source index)`` items; returns ``(position, relpath, label, Encoded or error,
+    extras)``."""
     out = []
     for position, index in items:
         try:
-            relpath, label, encoded = reader.convert(index, spec)
-            out.append((position, relpath, label, encoded))
+            relpath, label, encoded, extras = reader.convert(index, spec)
+            out.append((position, relpath, label, encoded, extras))
         # errors travel as plain tuples: anything the pool cannot unpickle would hang it instead of failing
         except ImageError as exc:
-            out.append((position, exc.path, -1, ("skip", exc.reason)))
+            out.append((position, exc.path, -1, ("skip", exc.reason), ()))
         except Exception as exc:  # a bug, not a bad image: the conversion stops and names the file
-            out.append((position, reader.name(index), -1, ("fail", f"{type(exc).__name__}: {exc}")))
+            out.append((position, reader.name(index), -1, ("fail", f"{type(exc).__name__}: {exc}"), ()))
     return out
 
 
@@ -131,7 +134,8 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
         PackerError: a bad source or options (a :class:`packer.errors.UsageError` for bad options).
     """
     writer_cls, _ = get_format(options.format)
-    source = open_source(src, include_hidden=options.include_hidden, label_key=options.label_key)
+    source = open_source(src, include_hidden=options.include_hidden, label_key=options.label_key,
+                         table=options.table)
     spec = options.transform_spec(source.default_store, source.mode)
     source.check(spec)
     where = source.root if source.kind == "folder" else src
@@ -156,6 +160,8 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
               "fingerprint": source.fingerprint()}
     if options.label_key is not None:
         record["label_key"] = options.label_key
+    if source.kind == "table":
+        record["table"] = options.table
     record = json.loads(json.dumps(record))  # as the journal will hold them: lists, not tuples
     order = list(range(source.count))
     if options.shuffle:
@@ -180,13 +186,9 @@ def prepare_dest(dest: Path, plan: Plan) -> None:
     """
     if plan.options.resume:
         warn(f"nothing to resume in {dest}; starting afresh")
-    src = plan.source.root
-    src_r, dest_r = src.resolve(), dest.resolve()
-    if dest_r == src_r or src_r.is_relative_to(dest_r):
-        raise DestinationError(f"{dest}: the destination would contain the source; choose another folder")
-    if dest_r.is_relative_to(src_r):
-        raise DestinationError(f"{dest}: the destination is inside the source folder {src}, so packing would change "
-                               "the source; choose a folder outside it")
+    problem = plan.source.dest_problem(dest)
+    if problem:
+        raise DestinationError(problem)
     if plan.options.overwrite:
         check_parts_free(dest)
     prepare_output(dest, plan.options.overwrite, dataset_problems, "packer dataset")
@@ -228,7 +230,7 @@ def convert_samples(dest: Path, plan: Plan, indices: list[int], journal: dict, r
     """
     writer_options = {"estimated_bytes": plan.estimate(indices), "shard_bytes": plan.options.shard_size,
                       "shard_samples": plan.options.shard_samples, "classes": plan.source.classes,
-                      "key_offset": key_offset}
+                      "key_offset": key_offset, "schema": plan.source.schema}
     writer = plan.writer_cls(dest, plan.spec, len(indices), writer_options)
     conversion = _Conversion(plan.source, dest, indices, plan.spec, writer, journal, plan.options.strict,
                              plan.options.progress if progress is None else progress, desc, on_progress)
@@ -269,11 +271,13 @@ def make_manifest(plan: Plan, count: int, extras: dict[str, Any], skipped: list[
     """
     source, spec = plan.source, plan.spec
     return {
-        "format": plan.options.format, "format_version": FORMAT_VERSION, "packer_version": __version__,
+        "format": plan.options.format, "packer_version": __version__,
+        "format_version": PLAIN_FORMAT_VERSION if is_pair_schema(source.schema) else FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {**source.describe(), "images": source.count,
                    "bytes": int(plan.sizes.sum()) if spec.store != "raw" else None},
         "count": count, "classes": source.classes, "class_to_idx": source.class_to_idx,
+        **({} if is_pair_schema(source.schema) else {"fields": [f.to_dict() for f in source.schema]}),
         "store": spec.store, "transform": spec.to_dict(), "shape": plan.shape, "dtype": spec.dtype,
         "order": {"shuffle": plan.options.shuffle, "seed": plan.options.seed}, "checksum": "crc32",
         **extras,
@@ -327,7 +331,7 @@ class _Conversion:
         save(self.dest, self.journal)
 
     def consume(self, results: list[tuple]) -> None:
-        for position, relpath, label, item in results:
+        for position, relpath, label, item, extras in results:
             if isinstance(item, tuple):
                 kind, reason = item
                 if kind == "fail":
@@ -338,7 +342,7 @@ class _Conversion:
                 warn(f"skipped {self.source.where(relpath)}: {reason}")
                 self.skipped.append({"path": relpath, "error": reason, "position": position})
                 continue
-            durable = self.writer.write(label, relpath, item)
+            durable = self.writer.write(label, relpath, item, extras)
             self.pending_counts.append(self.writer.count)
             self.pending_positions.append(position)
             if durable is not None:

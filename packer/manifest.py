@@ -22,7 +22,8 @@ from .errors import IncompleteDatasetError, ManifestError
 
 MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this packer reads; a dataset with "fields" is written as 2
+PLAIN_FORMAT_VERSION = 1  # an image-and-class dataset is still written as 1, which older packers read
 REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,
             "transform": dict, "files": list}
 

@@ -142,6 +142,15 @@ class PackOptions:
                              cli=dict(type=click.IntRange(1), show_default=True))
     label_key: str | None = option(None, "WebDataset SRC: the member that holds the integer label: cls (default), "
                                          "txt, json:FIELD...", cli={})
+    image_column: str = option("image", "Annotation table SRC: the column of image paths.",
+                               cli=dict(show_default=True))
+    root: str | None = option(None, "Annotation table SRC: the folder its image paths are relative to (default: the "
+                                    "table's folder).", cli={})
+    label_column: str | None = option(None, "Annotation table SRC: the class column (strings become classes in "
+                                            "sorted order, as ImageFolder's folders; integers are kept).", cli={})
+    field: tuple[str, ...] = option((), "Annotation table SRC: a column's type, NAME:TYPE (repeatable): text, json, "
+                                        "int64, float32, int64[n] or float32[] vectors, image, mask, class.",
+                                    cli=dict(multiple=True))
     distributed: bool | None = option(None, "False: convert in this process only, even under torchrun; True: "
                                             "require a distributed launch (default: detect it).")
     progress: bool = option(True, "Show a progress bar on stderr (the CLI's --quiet turns it off).")
@@ -155,6 +164,12 @@ class PackOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"--{name.replace('_', '-')}: {value!r} is not a positive number")
+
+    @property
+    def table(self) -> dict[str, Any]:
+        """The options of an annotation-table source (:class:`packer.table.TableSource`)."""
+        return {"image_column": self.image_column, "root": self.root, "label_column": self.label_column,
+                "field": tuple(self.field)}
 
     def transform_spec(self, default_store: str | None = None, default_mode: str | None = None) -> TransformSpec:
         """The transform these options ask for, defaults filled in: ``original`` unless pixels change, ``jpeg``

@@ -31,75 +31,9 @@ from .formats import Reader, open_reader
 from .formats.wds import WdsReader
 from .manifest import JOURNAL, MANIFEST
 from .scan import scan_folder
+from .source_base import SampleReader, Source
+from .table import TableSource, is_table
 from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert_bytes, convert_file
-
-
-class SampleReader:
-    """Reads and converts one sample of a source, in a worker process. Picklable; opens its handles lazily."""
-
-    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
-        """``(relpath, label, encoded)`` of source sample ``index``; raises :class:`ImageError` naming the relpath
-        (or ``sample N`` when even that could not be read)."""
-        raise NotImplementedError
-
-    def name(self, index: int) -> str:
-        """How messages name source sample ``index`` when converting it failed unexpectedly."""
-        return f"sample {index}"
-
-
-class Source:
-    """Base of the three kinds of source. Attributes every kind sets:
-
-    ``kind`` ("folder", "packed", "shards"), ``root`` (a folder, for messages and to keep DEST out of it),
-    ``classes``, ``class_to_idx``, ``count``, ``stored`` (what samples hold: "original" for image files, or the
-    packed dataset's store), ``mode`` (RGB or L), ``shape`` (fixed (H, W, C) or None), ``shuffled`` (the order is
-    already a shuffle), and the scan's ``hidden_skipped``, ``empty_classes`` and ``errors`` [(relpath, why)]."""
-
-    kind = ""
-    stored = "original"
-    mode = "RGB"
-    shape: list[int] | None = None
-    shuffled = False
-
-    def __init__(self, root: Path, classes: list[str], count: int):
-        self.root = root
-        self.classes = list(classes)
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.count = count
-        self.hidden_skipped = 0
-        self.empty_classes: list[str] = []
-        self.errors: list[tuple[str, str]] = []
-
-    def sizes(self) -> np.ndarray:
-        """Bytes of each sample (an estimate where the source does not record it), int64, one per sample."""
-        raise NotImplementedError
-
-    def fingerprint(self) -> str:
-        raise NotImplementedError
-
-    def reader(self) -> SampleReader:
-        raise NotImplementedError
-
-    def where(self, relpath: str) -> str:
-        """How messages name a sample."""
-        return f"{relpath} in {self.root}"
-
-    def describe(self) -> dict[str, Any]:
-        """The manifest's ``source`` entry (the converter adds ``images`` and ``bytes``)."""
-        return {"kind": self.kind, "root": str(self.root.resolve())}
-
-    @property
-    def key(self) -> str:
-        """What the journal records as the source (a resumed conversion must name the same one)."""
-        return str(self.root.resolve())
-
-    @property
-    def default_store(self) -> str | None:
-        """The store to use when none is given (None: the converter's usual choice)."""
-        return None
-
-    def check(self, spec: TransformSpec) -> None:
-        """Refuse a conversion this source cannot give (``store=original`` of decoded pixels)."""
 
 
 # -- image folders -----------------------------------------------------------------------------------------------
@@ -108,9 +42,9 @@ class FolderReader(SampleReader):
         self.root = root
         self.samples = samples
 
-    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
         relpath, label = self.samples[index]
-        return relpath, label, convert_file(os.path.join(self.root, relpath), relpath, spec)
+        return relpath, label, convert_file(os.path.join(self.root, relpath), relpath, spec), ()
 
     def name(self, index: int) -> str:
         return self.samples[index][0]
@@ -166,13 +100,15 @@ class DatasetReader(SampleReader):
     def __init__(self, reader: Reader):
         self.reader = reader
 
-    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded]:
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
         reader = self.reader
         relpath = f"sample {index}"
         try:
             reader.open()
             relpath = reader.relpath(index)
             sample = reader.checked(index, reader.read(index))
+            # the fields as stored (second images and masks too: repacking keeps them, it does not re-transform)
+            extras = tuple(bytes(v) for v in reader.read_fields(index, verify=True).values())
             array = reader.stored_array(index, sample)
             if array is not None:
                 encoded = convert_array(array, relpath, spec)
@@ -185,7 +121,7 @@ class DatasetReader(SampleReader):
         if max(encoded.shape[:2]) > MAX_SIDE:
             raise ImageError(relpath, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels; "
                                       "shrink it (--max-size)")
-        return relpath, sample.label, encoded
+        return relpath, sample.label, encoded, extras
 
 
 class PackedSource(Source):
@@ -204,6 +140,7 @@ class PackedSource(Source):
                               "into pixels; re-pack from the original image folder")
         self.stored_reader = reader
         self.manifest = manifest
+        self.schema = list(reader.schema)
         self.stored = reader.spec.store
         self.mode = reader.spec.mode
         self.shape = manifest.get("shape")
@@ -290,9 +227,12 @@ def _shards_in(folder: Path) -> list[Path] | None:
     return tars or None
 
 
-def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key: str | None = None) -> Source:
+def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key: str | None = None,
+                table: dict[str, Any] | None = None) -> Source:
     """The :class:`Source` that ``src`` names:
 
+    - a ``.csv``, ``.tsv`` or ``.jsonl`` file: an annotation table (``table``: the keyword arguments of
+      :class:`packer.table.TableSource`: ``image_column``, ``root``, ``label_column``, ``field``);
     - a folder with ``manifest.json``: a packed dataset;
     - a ``.tar`` file, a glob such as ``'shards/*.tar'``, or a folder that holds ``.tar`` files and no
       sub-folders: WebDataset shards (labels from ``label_key``, default ``cls``);
@@ -310,6 +250,10 @@ def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key:
             raise SourceError(f"{text}: no files match this pattern")
     elif path.is_file() and path.suffix.lower() == ".tar":
         shards = [path]
+    elif is_table(path):
+        if label_key is not None:
+            raise UsageError("--label-key is for WebDataset shards; a table's label is --label-column")
+        return TableSource(path, **(table or {}))
     elif path.is_dir():
         if (path / MANIFEST).exists():
             if label_key is not None:

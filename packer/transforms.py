@@ -346,6 +346,15 @@ def to_pil(array: np.ndarray) -> Image.Image:
 
 def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
     """Read the source file at ``path`` and produce what gets stored for it (``name`` is used in errors)."""
+    encoded = convert_bytes(read_source_file(path, name), name, spec)
+    if max(encoded.shape[:2]) > MAX_SIDE:  # every format records each side in 16 bits
+        raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels, which "
+                               "packer cannot store; shrink it (--max-size) or remove it")
+    return encoded
+
+
+def read_source_file(path: str, name: str) -> bytes:
+    """The bytes of a source file; an :class:`ImageError` naming ``name`` when it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not block the conversion forever
         with open(fd, "rb") as f:
@@ -357,11 +366,7 @@ def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
     except OSError as exc:
         advice = "check its permissions" if exc.errno in (errno.EACCES, errno.EPERM) else "check the file"
         raise ImageError(name, f"cannot read file: {exc.strerror}; {advice}") from None
-    encoded = convert_bytes(data, name, spec)
-    if max(encoded.shape[:2]) > MAX_SIDE:  # every format records each side in 16 bits
-        raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels, which "
-                               "packer cannot store; shrink it (--max-size) or remove it")
-    return encoded
+    return data
 
 
 def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:

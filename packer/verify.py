@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .decoding import Decoding
 from .errors import PackerError
+from .fields import label_field
 from .formats import Reader, open_reader
 from .manifest import read_manifest, sha256_file
 from .remote.url import parse_url
@@ -72,6 +73,7 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
     n_classes = len(manifest["classes"])
     shape = manifest.get("shape")
     decoding = Decoding(reader)
+    has_label = label_field(reader.schema) is not None
     for i in range(len(reader)):
         if not deep and reader.sample_file(i) not in damaged_files:
             continue
@@ -81,10 +83,11 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
             if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
                 problems.append(f"{where}: checksum mismatch, the stored bytes are damaged")
                 continue
-            if not 0 <= sample.label < n_classes:
+            if has_label and not 0 <= sample.label < n_classes:
                 problems.append(f"{where}: label {sample.label} is not a class index (0..{n_classes - 1})")
-            else:
+            elif has_label:
                 reader.check_label(i, sample.label)
+            reader.read_fields(i, verify=True)  # the extra fields' checksum
             if deep:
                 arr = decoding.decode_array(i, sample)
                 if tuple(arr.shape) != tuple(sample.shape):

@@ -49,14 +49,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from PIL import Image
 
 from ..errors import CorruptDataError, PackerError, warn
-from ..fields import NUMERIC, Field, fields_crc32, label_field
+from ..fields import fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
-from ..transforms import EXTENSION_BY_FORMAT, Encoded
+from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register
 from .identity import FileId, changed_error, check_unchanged, file_id
+from .wds_members import image_ext, member_bytes, member_suffix, npy_bytes, stored_bytes
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -77,60 +77,6 @@ def default_shard_samples(count: int, estimated_bytes: int, shard_bytes: int) ->
     # the most samples per shard that still gives that many shards: ceil(count / shards) alone can give fewer
     # (14 samples, 2 per shard: 7 shards)
     return max(1, min(math.ceil(count / shards), (count - 1) // (shards - 1)))
-
-
-def member_suffix(field: Field, image_ext: str = "png") -> str:
-    """The member name after the key of an extra field: ``NAME.EXT``, or ``EXT`` for a field named as its
-    extension. An image field's extension is its encoded format's."""
-    if field.kind in NUMERIC:
-        ext = "cls" if field.kind == "int64" and field.shape == () else "npy"
-    else:
-        ext = {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
-    return ext if field.name == ext else f"{field.name}.{ext}"
-
-
-def _image_ext(value: bytes) -> str:
-    """The extension of an encoded image (a second image or mask field), from its header."""
-    try:
-        with Image.open(io.BytesIO(value)) as image:
-            return EXTENSION_BY_FORMAT.get(image.format or "", "png")
-    except (OSError, ValueError):
-        return "png"
-
-
-def member_bytes(field: Field, value: bytes) -> bytes:
-    """An extra field's member: its stored bytes, except numbers kept as webdataset decodes them (digits for an
-    integer, .npy for the rest)."""
-    if field.kind not in NUMERIC:
-        return value
-    dtype = NUMERIC[field.kind]
-    array = np.frombuffer(value, dtype)
-    if field.kind == "int64" and field.shape == ():
-        return str(int(array[0])).encode("ascii")
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, array if field.shape is None else array.reshape(field.shape), allow_pickle=False)
-    return buf.getvalue()
-
-
-def stored_bytes(field: Field, member: bytes | memoryview, where: str) -> bytes | memoryview:
-    """The inverse of :func:`member_bytes`."""
-    if field.kind not in NUMERIC:
-        return member
-    try:
-        if field.kind == "int64" and field.shape == ():
-            return np.array([int(bytes(member))], "<i8").tobytes()
-        array = np.lib.format.read_array(io.BytesIO(bytes(member)), allow_pickle=False)
-        return np.ascontiguousarray(array, NUMERIC[field.kind]).tobytes()
-    except Exception as exc:  # numpy's .npy parser raises several kinds
-        raise CorruptDataError(f"{where}: member of field {field.name!r} is damaged ({exc}); re-pack") from None
-
-
-def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
-    """The .npy file of a raw payload, and the length of its header."""
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.frombuffer(payload, dtype=dtype).reshape(shape), allow_pickle=False)
-    data = buf.getvalue()
-    return data, len(data) - len(payload)
 
 
 class WdsWriter(Writer):
@@ -234,7 +180,7 @@ class WdsWriter(Writer):
             info["fields_crc32"] = fields_crc32(extras)
         meta = json.dumps(info, sort_keys=True, ensure_ascii=False).encode("utf-8")
         members.append((f"{keyname}.{self.meta_ext}", meta))
-        members += [(f"{keyname}.{member_suffix(field, _image_ext(value) if field.dense else '')}",
+        members += [(f"{keyname}.{member_suffix(field, image_ext(value) if field.dense else '')}",
                      member_bytes(field, value)) for field, value in zip(self.extra_fields, extras, strict=True)]
         full = self.tar is not None and (
             self.in_shard >= self.shard_samples

@@ -1,0 +1,67 @@
+"""The members of a WebDataset sample as packer writes them: their names and bytes, so that the ``webdataset``
+library decodes each by its extension (see :mod:`packer.formats.wds`)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+from ..errors import CorruptDataError
+from ..fields import NUMERIC, Field
+from ..transforms import EXTENSION_BY_FORMAT
+
+
+def member_suffix(field: Field, image_ext: str = "png") -> str:
+    """The member name after the key of an extra field: ``NAME.EXT``, or ``EXT`` for a field named as its
+    extension. An image field's extension is its encoded format's."""
+    if field.kind in NUMERIC:
+        ext = "cls" if field.kind == "int64" and field.shape == () else "npy"
+    else:
+        ext = {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
+    return ext if field.name == ext else f"{field.name}.{ext}"
+
+
+def image_ext(value: bytes) -> str:
+    """The extension of an encoded image (a second image or mask field), from its header."""
+    try:
+        with Image.open(io.BytesIO(value)) as image:
+            return EXTENSION_BY_FORMAT.get(image.format or "", "png")
+    except (OSError, ValueError):
+        return "png"
+
+
+def member_bytes(field: Field, value: bytes) -> bytes:
+    """An extra field's member: its stored bytes, except numbers kept as webdataset decodes them (digits for an
+    integer, .npy for the rest)."""
+    if field.kind not in NUMERIC:
+        return value
+    dtype = NUMERIC[field.kind]
+    array = np.frombuffer(value, dtype)
+    if field.kind == "int64" and field.shape == ():
+        return str(int(array[0])).encode("ascii")
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array if field.shape is None else array.reshape(field.shape), allow_pickle=False)
+    return buf.getvalue()
+
+
+def stored_bytes(field: Field, member: bytes | memoryview, where: str) -> bytes | memoryview:
+    """The inverse of :func:`member_bytes`."""
+    if field.kind not in NUMERIC:
+        return member
+    try:
+        if field.kind == "int64" and field.shape == ():
+            return np.array([int(bytes(member))], "<i8").tobytes()
+        array = np.lib.format.read_array(io.BytesIO(bytes(member)), allow_pickle=False)
+        return np.ascontiguousarray(array, NUMERIC[field.kind]).tobytes()
+    except Exception as exc:  # numpy's .npy parser raises several kinds
+        raise CorruptDataError(f"{where}: member of field {field.name!r} is damaged ({exc}); re-pack") from None
+
+
+def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
+    """The .npy file of a raw payload, and the length of its header."""
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.frombuffer(payload, dtype=dtype).reshape(shape), allow_pickle=False)
+    data = buf.getvalue()
+    return data, len(data) - len(payload)
