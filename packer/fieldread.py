@@ -11,7 +11,6 @@ resize and centre crop. A second image is resampled as the primary one is; a mas
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +22,7 @@ from .decoding import Decoding
 from .errors import CorruptDataError
 from .fields import Field, decode, extra_fields, label_field
 from .formats.base import Sample
+from .masks import decode_mask
 from .transforms import apply_geometry, as_hwc, center_box, to_pil
 from .transforms import decode as decode_image
 
@@ -54,19 +54,6 @@ def select_fields(schema: Sequence[Field], fields: Sequence[str] | str | None) -
         raise ValueError(f"fields= names each field once (and at least one); this dataset's are "
                          f"{', '.join(by_name)}")
     return [by_name[name] for name in names]
-
-
-def decode_mask(data: bytes | memoryview, name: str) -> np.ndarray:
-    """A stored mask (PNG, mode L or I;16) as a (H, W) uint8 or uint16 array of its exact values."""
-    try:
-        with Image.open(io.BytesIO(bytes(data))) as img:
-            img.load()
-            arr = np.asarray(img)
-    except Exception as exc:  # Pillow raises many types for damaged files
-        raise CorruptDataError(f"{name}: cannot decode the stored mask ({exc}); run `packer verify`") from None
-    if arr.ndim != 2:
-        raise CorruptDataError(f"{name}: the stored mask has shape {arr.shape}, not (H, W); re-pack")
-    return arr.astype(np.uint16) if arr.dtype.kind in "iu" and arr.dtype.itemsize > 1 else arr
 
 
 def mask_dtype(field: Field) -> np.dtype:
@@ -168,7 +155,7 @@ class FieldDecoder:
         """A mask field with the sample's geometry, resampled by nearest neighbour: exact stored values."""
         d = self.decoding
         name = self._describe(index, field)
-        mask = decode_mask(data, name)
+        mask = decode_mask(data, name, field.pixels or "uint8")
         full, window = geometry
         sy, sx = mask.shape[0] / full[0], mask.shape[1] / full[1]
         flipped = window is not None and window.flipped

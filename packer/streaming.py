@@ -23,11 +23,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .errors import CorruptDataError, PackerError
 from .fieldbatch import collate_column, field_tensor
-from .fieldread import decode_mask, select_fields
+from .fieldread import select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
 from .fields import decode as decode_value
-from .formats.wds import IMAGE_EXTS, stored_bytes
+from .formats.wds import IMAGE_EXTS
+from .formats.wds_members import stored_bytes
 from .manifest import read_manifest
+from .masks import decode_mask
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
 from .sampler import STATE_VERSION, distributed_rank_world
@@ -223,7 +225,7 @@ class ShardStreams(IterableDataset):
     def _value(self, key: str, field: Field, data: bytes) -> Any:
         """A field's stored bytes decoded: masks and images to arrays, the rest by :func:`packer.fields.decode`."""
         if field.kind == "mask":
-            return decode_mask(data, f"{key} field {field.name!r}")
+            return decode_mask(data, f"{key} field {field.name!r}", field.pixels or "uint8")
         if field.kind == "image":
             return decode(data, self.mode, f"{key} field {field.name!r}")
         return decode_value(field, data)
