@@ -115,7 +115,7 @@ class PackedDataset(Decoding, Dataset):
         selected = select_fields(self.schema, fields)
         self._pair = fields is None and is_pair_schema(self.schema)  # ds[i] is (image, label), as always
         self._as_dict = fields is None
-        self._fields = FieldDecoder(self, self.schema, selected)
+        self._fields = FieldDecoder(self.schema, selected)
 
     @property
     def fields(self) -> list[Field]:
@@ -284,7 +284,7 @@ class PackedDataset(Decoding, Dataset):
 
     def _item(self, index: int, sample: Sample, raw: dict, epoch: int) -> Any:
         """``ds[index]`` of a dataset with fields, from its stored sample and raw field bytes."""
-        values = self._fields.sample_values(index, sample, raw, epoch)
+        values = self._fields.sample_values(self, index, sample, raw, epoch)
         by_name = {f.name: f for f in self._fields.selected}
         return self._package({name: field_tensor(by_name[name], v) for name, v in values.items()})
 
@@ -296,7 +296,7 @@ class PackedDataset(Decoding, Dataset):
             return None
         layout = [("image", tuple(shape), self.output_dtype())] if self._pair or self._fields.image else []
         for field in self._fields.dense:
-            dtype = TORCH_DTYPES[self._fields.row_dtype(field, np.dtype(np.uint8))]
+            dtype = TORCH_DTYPES[self._fields.row_dtype(field)]
             layout.append((field.name, self._fields.row_shape(field, shape), dtype))
         return layout
 
@@ -317,7 +317,7 @@ class PackedDataset(Decoding, Dataset):
 
         def fill(j: int) -> None:
             index = indices[j]
-            row = fields.sample_values(index, self._verified(index, samples[j]), raws[j], epochs[j],
+            row = fields.sample_values(self, index, self._verified(index, samples[j]), raws[j], epochs[j],
                                        {name: out[j] for name, out in outs.items()}, decode_row)
             for name, column in values.items():
                 column[j] = row[name]

@@ -76,14 +76,15 @@ def scaled_window(window: Window, full: tuple[int, int], size: tuple[int, int]) 
 class FieldDecoder:
     """Decodes the selected fields of a dataset's samples (see the module docstring).
 
+    It holds no reference to the dataset (each method is given its :class:`~packer.decoding.Decoding`): a
+    dataset and its decoder in a cycle would keep the data files open until the garbage collector ran.
+
     Args:
-        decoding: the dataset's decode path (its read-time geometry and augmentation).
         schema: the dataset's fields.
         selected: the fields it gives, in order (:func:`select_fields`).
     """
 
-    def __init__(self, decoding: Decoding, schema: Sequence[Field], selected: Sequence[Field]):
-        self.decoding = decoding
+    def __init__(self, schema: Sequence[Field], selected: Sequence[Field]):
         self.schema = list(schema)
         self.selected = list(selected)
         label = label_field(self.schema)
@@ -98,63 +99,62 @@ class FieldDecoder:
         """Whether any selected field is read beyond the image and the label."""
         return bool(self.extras)
 
-    def sample_values(self, index: int, sample: Sample, raw: dict[str, bytes | memoryview], epoch: int,
+    def sample_values(self, d: Decoding, index: int, sample: Sample, raw: dict[str, bytes | memoryview], epoch: int,
                       outs: dict[str, np.ndarray] | None = None, decode_row: Any = None) -> dict[str, Any]:
         """The selected fields of one sample, by name in the selected order: the image (through ``decode_row``,
         default :meth:`Decoding.decode_array`), the label, and each field in ``raw`` decoded; dense ones
         written into their row in ``outs`` when it has one."""
         outs = outs or {}
-        geometry = self.geometry(index, sample, epoch) if self.dense else None
+        geometry = self.geometry(d, index, sample, epoch) if self.dense else None
         values: dict[str, Any] = {}
         for field in self.selected:
             name = field.name
             if name == "image":
-                values[name] = (decode_row or self.decoding.decode_array)(index, sample, outs.get(name), epoch)
+                values[name] = (decode_row or d.decode_array)(index, sample, outs.get(name), epoch)
             elif name == self.label_name:
                 values[name] = sample.label
             else:
                 data = raw.get(name)
                 if data is None:
-                    raise CorruptDataError(f"{self.decoding.reader.describe(index)}: no stored value for field "
+                    raise CorruptDataError(f"{d.reader.describe(index)}: no stored value for field "
                                            f"{name!r}; run `packer verify` and re-pack")
-                values[name] = self.value(index, field, data, geometry, outs.get(name))
+                values[name] = self.value(d, index, field, data, geometry, outs.get(name))
         return values
 
-    def geometry(self, index: int, sample: Sample, epoch: int) -> Geometry:
+    def geometry(self, d: Decoding, index: int, sample: Sample, epoch: int) -> Geometry:
         """The primary image's stored size and augmentation window for sample ``index`` in ``epoch``."""
-        d = self.decoding
         full = d._full_size(index, sample)
         window = d._window(index, sample, epoch) if d.augments else None
         return Geometry(full, window)
 
-    def row_shape(self, field: Field, image_shape: tuple[int, int, int]) -> tuple[int, ...]:
+    @staticmethod
+    def row_shape(field: Field, image_shape: tuple[int, int, int]) -> tuple[int, ...]:
         """The batch row of a dense field when the primary image's rows are ``image_shape`` (H, W, C)."""
-        if field.kind == "mask":
-            return image_shape[:2]
-        return (*image_shape[:2], self.decoding.spec.channels)
+        return image_shape[:2] if field.kind == "mask" else tuple(image_shape)
 
-    def row_dtype(self, field: Field, image_dtype: np.dtype) -> np.dtype:
+    @staticmethod
+    def row_dtype(field: Field) -> np.dtype:
         """The numpy dtype of a dense field's batch rows."""
         return mask_dtype(field) if field.kind == "mask" else np.dtype(np.uint8)
 
-    def value(self, index: int, field: Field, data: bytes | memoryview, geometry: Geometry | None,
+    def value(self, d: Decoding, index: int, field: Field, data: bytes | memoryview, geometry: Geometry | None,
               out: np.ndarray | None = None) -> Any:
         """One stored field value decoded: a dense field through the sample's ``geometry`` (into ``out`` when
         given), anything else with :func:`packer.fields.decode`."""
         if field.kind == "mask":
-            return self.mask(index, field, data, geometry, out)
+            return self.mask(d, index, field, data, geometry, out)
         if field.kind == "image":
-            return self.second_image(index, field, data, geometry, out)
+            return self.second_image(d, index, field, data, geometry, out)
         return decode(field, data)
 
-    def _describe(self, index: int, field: Field) -> str:
-        return f"{self.decoding.reader.describe(index)} field {field.name!r}"
+    @staticmethod
+    def _describe(d: Decoding, index: int, field: Field) -> str:
+        return f"{d.reader.describe(index)} field {field.name!r}"
 
-    def mask(self, index: int, field: Field, data: bytes | memoryview, geometry: Geometry,
+    def mask(self, d: Decoding, index: int, field: Field, data: bytes | memoryview, geometry: Geometry,
              out: np.ndarray | None = None) -> np.ndarray:
         """A mask field with the sample's geometry, resampled by nearest neighbour: exact stored values."""
-        d = self.decoding
-        name = self._describe(index, field)
+        name = self._describe(d, index, field)
         mask = decode_mask(data, name, field.pixels or "uint8")
         full, window = geometry
         sy, sx = mask.shape[0] / full[0], mask.shape[1] / full[1]
@@ -181,15 +181,14 @@ class FieldDecoder:
             return out
         return np.ascontiguousarray(result)
 
-    def second_image(self, index: int, field: Field, data: bytes | memoryview, geometry: Geometry,
+    def second_image(self, d: Decoding, index: int, field: Field, data: bytes | memoryview, geometry: Geometry,
                      out: np.ndarray | None = None) -> np.ndarray:
         """An image field other than the primary one, decoded as it is (the same pixels for the same bytes)
         with the primary image's window and flip."""
-        d = self.decoding
         sample = Sample(data, -1, (0, 0, 0), None)
         if d.reader.is_raw:  # the primary image is an array; a second one is an encoded file all the same
-            arr = decode_image(data, d.spec.mode, self._describe(index, field), d.max_pixels)
-            return self._resampled(arr, geometry, out)
+            arr = decode_image(data, d.spec.mode, self._describe(d, index, field), d.max_pixels)
+            return self._resampled(d, arr, geometry, out)
         if geometry.window is None:
             return d._plain_array(index, sample, out)
         full = d._full_size(index, sample)
@@ -198,9 +197,9 @@ class FieldDecoder:
             return d._resized_crop(index, sample, window, out)
         return write_image(d._plain_array(index, sample), window.flipped, out)
 
-    def _resampled(self, arr: np.ndarray, geometry: Geometry, out: np.ndarray | None) -> np.ndarray:
+    @staticmethod
+    def _resampled(d: Decoding, arr: np.ndarray, geometry: Geometry, out: np.ndarray | None) -> np.ndarray:
         """A decoded second image of a raw store through the geometry, with Pillow."""
-        d = self.decoding
         window = geometry.window
         flipped = window is not None and window.flipped
         if d.random_resized_crop is not None:
