@@ -258,8 +258,9 @@ def infer_field(name: str, cells: Sequence[object]) -> Field:
     return Field(name, "text")
 
 
-def cell_value(field: Field, cell: object) -> Any:
-    """A table cell as its field's value; ValueError saying why when it does not fit the field's type."""
+def cell_value(field: Field, cell: object, text: bool = True) -> Any:
+    """A table cell as its field's value; ValueError saying why when it does not fit the field's type.
+    ``text``: the cell is a CSV cell's text (JSON is parsed from it), not already a JSON value (JSON Lines)."""
     if field.kind in NUMERIC:
         if field.shape == ():
             ok = _is_int(cell) if field.kind == "int64" else _is_number(cell)
@@ -273,7 +274,7 @@ def cell_value(field: Field, cell: object) -> Any:
             raise ValueError(f"{cell!r} has {len(value)} values, the column holds {field.shape[0]}")  # type: ignore[arg-type]
         return value
     if field.kind == "json":
-        value = _json_cell(cell) if isinstance(cell, str) else cell
+        value = _json_cell(cell) if isinstance(cell, str) and text else cell
         if value is None:
             raise ValueError(f"{cell!r} is not JSON")
         return value

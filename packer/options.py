@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -144,8 +145,9 @@ class PackOptions:
                                          "txt, json:FIELD...", cli={})
     image_column: str = option("image", "Annotation table SRC: the column of image paths.",
                                cli=dict(show_default=True))
-    root: str | None = option(None, "Annotation table SRC: the folder its image paths are relative to (default: the "
-                                    "table's folder).", cli={})
+    root: str | os.PathLike | None = option(
+        None, "Annotation table SRC: the folder its image paths are relative to (default: the table's folder).",
+        cli={})
     label_column: str | None = option(None, "Annotation table SRC: the class column (strings become classes in "
                                             "sorted order, as ImageFolder's folders; integers are kept).", cli={})
     field: tuple[str, ...] = option((), "Annotation table SRC: a column's type, NAME:TYPE (repeatable): text, json, "
@@ -168,7 +170,8 @@ class PackOptions:
     @property
     def table(self) -> dict[str, Any]:
         """The options of an annotation-table source (:class:`packer.table.TableSource`)."""
-        return {"image_column": self.image_column, "root": self.root, "label_column": self.label_column,
+        root = None if self.root is None else str(self.root)
+        return {"image_column": self.image_column, "root": root, "label_column": self.label_column,
                 "field": tuple(self.field)}
 
     def transform_spec(self, default_store: str | None = None, default_mode: str | None = None) -> TransformSpec:

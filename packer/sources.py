@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ImageError, PackerError, SourceError, UsageError
+from .errors import ImageError, PackerError, SourceError, UsageError, warn
 from .formats import Reader, open_reader
 from .formats.wds import WdsReader
 from .manifest import JOURNAL, MANIFEST
@@ -181,16 +181,21 @@ class ShardsSource(Source):
 
     kind = "shards"
 
-    def __init__(self, paths: list[Path], label_key: str = "cls", pattern: str | None = None):
-        reader = WdsReader.from_shards(paths, label_key=label_key, warn_skipped=False)
+    def __init__(self, paths: list[Path], label_key: str | None = None, pattern: str | None = None):
+        reader = WdsReader.from_shards(paths, label_key=label_key, warn_skipped=False, keep_fields=True)
         super().__init__(reader.root, reader.classes, len(reader))
         self.errors = list(reader.skipped)  # link and repeated members: warned about and listed in the manifest
         self.stored_reader = reader
         self.paths = [Path(p) for p in paths]
-        self.label_key = label_key
+        self.label_key = label_key or ""
+        self.schema = list(reader.schema)
+        if not reader.foreign.labelled:
+            warn(f"{paths[0]}: no sample has a .cls member, so the samples get no class; pass --label-key "
+                 "(txt, json:FIELD...) to take one from another member")
         self.pattern = pattern
         index = reader.foreign.index
-        present = np.bincount(index["label"].astype(np.int64), minlength=len(self.classes)) if len(index) else []
+        labels = index["label"].astype(np.int64)
+        present = np.bincount(labels[labels >= 0], minlength=len(self.classes)) if self.classes else []
         self.empty_classes = [c for c, n in zip(self.classes, present, strict=False) if n == 0]
 
     def sizes(self) -> np.ndarray:
@@ -264,7 +269,7 @@ def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key:
                               "... --resume` before packing from it")
         shards = _shards_in(path)
     if shards is not None:
-        return ShardsSource(shards, label_key=label_key or "cls", pattern=pattern)
+        return ShardsSource(shards, label_key=label_key, pattern=pattern)
     if label_key is not None:
         raise UsageError("--label-key is for WebDataset shards; an image folder's labels are its class folders")
     return FolderSource(path, include_hidden=include_hidden)

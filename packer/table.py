@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import ImageError, SourceError, UsageError
-from .fields import Field, cell_value, encode, infer_field, parse_field_option
+from .fields import Field, cell_value, encode, extra_fields, infer_field, parse_field_option
 from .masks import convert_mask, mask_pixels
 from .source_base import SampleReader, Source
 from .transforms import Encoded, TransformSpec, convert_file
@@ -50,8 +50,9 @@ def read_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             rows = []
             for row in reader:
                 if None in row or None in row.values():
-                    raise SourceError(f"{path} line {reader.line_num}: {len(row) - (None in row)} cells where the "
-                                      f"header has {len(reader.fieldnames or [])}; fix the row")
+                    cells = sum(k is not None and v is not None for k, v in row.items()) + len(row.get(None) or [])
+                    raise SourceError(f"{path} line {reader.line_num}: {cells} cells where the header has "
+                                      f"{len(reader.fieldnames or [])}; fix the row")
                 rows.append((reader.line_num, row))
             return rows
     except UnicodeDecodeError as exc:
@@ -86,23 +87,27 @@ class TableReader(SampleReader):
     def __init__(self, root: str, schema: list[Field], paths: list[str], labels: np.ndarray,
                  cells: list[tuple[bytes | str, ...]]):
         self.root, self.schema, self.paths, self.labels, self.cells = root, schema, paths, labels, cells
-        self.extra = [f for f in schema[1:] if f.kind != "class"]
+        self.extra = extra_fields(schema)
 
     def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
         relpath = self.paths[index]
         path = os.path.join(self.root, relpath)
         encoded = convert_file(path, relpath, spec)
-        extras = []
-        for field, cell in zip(self.extra, self.cells[index], strict=True):
-            if field.kind == "mask":
-                extras.append(convert_mask(os.path.join(self.root, cell), str(cell), spec, field.pixels or "uint8",
-                                           _size(path, relpath)))
-            elif field.kind == "image":
-                side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
-                extras.append(convert_file(os.path.join(self.root, cell), str(cell), side).payload)
-            else:
-                extras.append(cell)
-        return relpath, int(self.labels[index]), encoded, tuple(extras)
+        try:
+            extras = tuple(self._extra(field, cell, spec, path, relpath)
+                           for field, cell in zip(self.extra, self.cells[index], strict=True))
+        except ImageError as exc:  # a row's second image or mask: the row is skipped, named by its image
+            raise ImageError(relpath, f"{exc.path}: {exc.reason}") from None
+        return relpath, int(self.labels[index]), encoded, extras
+
+    def _extra(self, field: Field, cell: bytes | str, spec: TransformSpec, path: str, relpath: str) -> bytes:
+        if field.kind == "mask":
+            return convert_mask(os.path.join(self.root, cell), str(cell), spec, field.pixels or "uint8",
+                                _size(path, relpath))
+        if field.kind == "image":
+            side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
+            return convert_file(os.path.join(self.root, cell), str(cell), side).payload
+        return cell  # type: ignore[return-value]  # numbers, text and JSON: encoded by the scan
 
     def name(self, index: int) -> str:
         return self.paths[index]
@@ -128,6 +133,7 @@ class TableSource(Source):
         if not image_root.is_dir():
             raise SourceError(f"{image_root}: no such folder (--root: the folder image paths are relative to)")
         rows = read_rows(self.table)
+        self.json_lines = self.table.suffix.lower() in (".jsonl", ".ndjson")
         if not rows:
             raise SourceError(f"{self.table}: the table has no rows; nothing to pack")
         columns = _columns(rows)
@@ -214,7 +220,7 @@ class TableSource(Source):
             if field.kind == "class":
                 continue
             try:
-                value = cell_value(field, row.get(field.name))
+                value = cell_value(field, row.get(field.name), text=not self.json_lines)
                 out.append(str(value) if field.dense else encode(field, value))
             except ValueError as exc:
                 raise SourceError(f"{self.table} line {line}, column {field.name!r}: {exc}; fix the cell, or force "

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import CorruptDataError, PackerError, warn
-from ..fields import fields_crc32, label_field
+from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register
@@ -230,87 +230,126 @@ def _sample_key(name: str) -> tuple[str, str] | None:
     return name[: len(name) - len(base)] + key, ext.lower()
 
 
-def scan_shards(paths: list[Path], label_key: str = "cls", skipped: list[tuple[str, str]] | None = None,
-                classes: int | None = None) -> tuple[np.ndarray, list[str]]:
-    """Index shards written by any WebDataset tool: one row per sample that has an image member and a label.
+_IMAGE = "\0image"  # in a sample's members: which extension is its image
+
+
+def scan_shards(paths: list[Path], label_key: str | None = "cls", skipped: list[tuple[str, str]] | None = None,
+                classes: int | None = None) -> ForeignShards:
+    """Index shards written by any WebDataset tool: one row per sample that has an image member.
 
     The label comes from the ``cls`` member, or with ``label_key="json:NAME"`` from a field of the ``json``
     member; it must be a class index: an integer (or a string of digits) from 0 to ``classes - 1``
-    (default: below :data:`MAX_SHARD_CLASSES`).
+    (default: below :data:`MAX_SHARD_CLASSES`). With ``label_key=None`` the label is the ``cls`` member where
+    the shards have one, and there is none (label -1) where no sample has one. Every other member is kept as a
+    field (:func:`shard_field`); a sample without a member that others have is skipped.
 
     Refused with an error naming the shard and the member: member names with absolute paths or ``..``; a
     missing label; a label that is not a class index (negative, ``1.7``, ``true``, over the cap). Left out and
     appended to ``skipped`` as ``("SHARD/MEMBER", why)``: link members (symbolic or hard; webdataset readers
     skip them too) and other members that are not regular files; every member of a key whose image or label
-    member appears twice (which copy is meant is unknown); a key with no image member ("SHARD/KEY")."""
+    member appears twice (which copy is meant is unknown); a key with no image member ("SHARD/KEY"); a key
+    without a field member other keys have."""
     skipped = [] if skipped is None else skipped
     limit = MAX_SHARD_CLASSES if classes is None else classes
-    rows, relpaths = [], []
-    for shard_id, path in enumerate(paths):
-        try:
-            tar = tarfile.open(path, "r:")
-        except (OSError, tarfile.TarError) as exc:
-            raise CorruptDataError(f"{path}: not a readable tar shard ({exc})") from None
-        with tar:
-            samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-            repeated: dict[str, str] = {}  # key -> the member name seen twice
-            noted: set[str] = set()  # keys that already have an entry in skipped
-            try:
-                for member in tar:
-                    if not is_safe_relpath(member.name):
-                        raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
-                                               "refusing to read this shard")
-                    if member.isdir():
-                        continue
-                    parsed = _sample_key(member.name)
-                    if not member.isfile():
-                        kind = _LINK_KINDS.get(member.type, "special file")
-                        skipped.append((f"{path.name}/{member.name}",
-                                        f"a {kind} in the shard, not a file; skipped (only regular members are read)"))
-                        noted.add(parsed[0] if parsed else member.name)
-                        continue
-                    if parsed is None:
-                        continue
-                    k, ext = parsed
-                    if ext in samples.setdefault(k, {}):
-                        repeated.setdefault(k, member.name)
-                    samples[k][ext] = member
-            except tarfile.TarError as exc:
-                raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
-            for k, members in samples.items():
-                image_ext = next((e for e in IMAGE_EXTS if e in members), None)
-                if k in repeated:
-                    skipped.append((f"{path.name}/{repeated[k]}", "appears twice in the shard; which copy is meant "
-                                                                  "is unknown, so the sample is skipped"))
-                    continue
-                if image_ext is None:
-                    if k not in noted:
-                        skipped.append((f"{path.name}/{k}", f"no image member ({', '.join(IMAGE_EXTS)}); skipped"))
-                    continue
-                label = _read_label(tar, members, label_key, path, k, limit, classes is not None)
-                img = members[image_ext]
-                offset, size = img.offset_data, img.size
-                if image_ext == "npy":
-                    header = tar.extractfile(img).read(min(size, 4096))
-                    arr_shape, header_len = _npy_header(header, f"{path}: member {img.name!r}")
-                    offset, size = offset + header_len, size - header_len
-                else:
-                    arr_shape = (0, 0, 0)
-                rows.append((shard_id, offset, size, 0, 0, label, 0, arr_shape))
-                relpaths.append(f"{path.name}/{img.name}")
+    found = [(shard_id, path, key, members) for shard_id, path in enumerate(paths)
+             for key, members in _shard_samples(path, skipped)]
+    if label_key is None:
+        label_key = "cls" if any("cls" in members for *_, members in found) else None
+    label_ext = None if label_key is None or label_key.startswith("json:") else label_key
+    exts = sorted({e for *_, members in found for e in members if e not in (label_ext, members[_IMAGE])} - {_IMAGE})
+    fields = [shard_field(ext) for ext in exts]
+    rows, relpaths, offsets = [], [], []
+    for shard_id, path, key, members in found:
+        missing = next((e for e in exts if e not in members), None)
+        if missing is not None:
+            skipped.append((f"{path.name}/{key}", f"no .{missing} member, which other samples have; skipped"))
+            continue
+        with open(path, "rb") as f:
+            label = -1 if label_key is None else _read_label(f, members, label_key, path, key, limit,
+                                                            classes is not None)
+            img = members[members[_IMAGE]]
+            offset, size, arr_shape = img.offset_data, img.size, (0, 0, 0)
+            if members[_IMAGE] == "npy":
+                f.seek(offset)
+                arr_shape, header_len = _npy_header(f.read(min(size, 4096)), f"{path}: member {img.name!r}")
+                offset, size = offset + header_len, size - header_len
+        rows.append((shard_id, offset, size, 0, 0, label, 0, arr_shape))
+        relpaths.append(f"{path.name}/{img.name}")
+        offsets.append([(members[e].offset_data, members[e].size) for e in exts])
     index = np.array(rows, dtype=INDEX_DTYPE) if rows else np.zeros(0, INDEX_DTYPE)
-    return index, relpaths
+    members_index = np.array(offsets, dtype=np.uint64).reshape(len(rows), len(exts), 2)
+    return ForeignShards(index, np.array(relpaths, dtype=str), members_index, fields, label_key is not None)
 
 
-def _read_label(tar: tarfile.TarFile, members: dict, label_key: str, path: Path, key: str, limit: int,
-                given: bool) -> int:
+def shard_field(ext: str) -> Field:
+    """The field a foreign member becomes, by its extension: ``txt`` text, ``json`` JSON, ``cls`` an integer,
+    an image extension a second image, anything else bytes; ``caption.txt`` is the text field ``caption``."""
+    base, _, last = ext.rpartition(".")
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", base or last)
+    kind = {"txt": "text", "text": "text", "json": "json", "cls": "int64"}.get(last)
+    if kind is None:
+        kind = "image" if last in IMAGE_EXTS and last != "npy" else "bytes"
+    return Field(name, kind)
+
+
+def _shard_samples(path: Path, skipped: list[tuple[str, str]]) -> list[tuple[str, dict]]:
+    """``(key, {extension: member, "\\0image": the image's extension})`` of each sample of a shard with an image."""
+    try:
+        tar = tarfile.open(path, "r:")
+    except (OSError, tarfile.TarError) as exc:
+        raise CorruptDataError(f"{path}: not a readable tar shard ({exc})") from None
+    samples: dict[str, dict[str, Any]] = {}
+    repeated: dict[str, str] = {}  # key -> the member name seen twice
+    noted: set[str] = set()  # keys that already have an entry in skipped
+    with tar:
+        try:
+            for member in tar:
+                if not is_safe_relpath(member.name):
+                    raise CorruptDataError(f"{path}: member {member.name!r} has an absolute path or '..'; "
+                                           "refusing to read this shard")
+                if member.isdir():
+                    continue
+                parsed = _sample_key(member.name)
+                if not member.isfile():
+                    kind = _LINK_KINDS.get(member.type, "special file")
+                    skipped.append((f"{path.name}/{member.name}",
+                                    f"a {kind} in the shard, not a file; skipped (only regular members are read)"))
+                    noted.add(parsed[0] if parsed else member.name)
+                    continue
+                if parsed is None:
+                    continue
+                k, ext = parsed
+                if ext in samples.setdefault(k, {}):
+                    repeated.setdefault(k, member.name)
+                samples[k][ext] = member
+            tar.members = []  # the index keeps what it needs; the TarInfos of a big shard need not stay
+        except tarfile.TarError as exc:
+            raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
+    out = []
+    for k, members in samples.items():
+        image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+        if k in repeated:
+            skipped.append((f"{path.name}/{repeated[k]}", "appears twice in the shard; which copy is meant "
+                                                          "is unknown, so the sample is skipped"))
+            continue
+        if image_ext is None:
+            if k not in noted:
+                skipped.append((f"{path.name}/{k}", f"no image member ({', '.join(IMAGE_EXTS)}); skipped"))
+            continue
+        members[_IMAGE] = image_ext
+        out.append((k, members))
+    return out
+
+
+def _read_label(f: Any, members: dict, label_key: str, path: Path, key: str, limit: int, given: bool) -> int:
     """The label of sample ``key``: a class index below ``limit`` (``given``: the caller's class count)."""
     name, field = ("json", label_key[5:]) if label_key.startswith("json:") else (label_key, None)
     member = members.get(name)
     try:
         if member is None:
             raise KeyError(f"no {name!r} member")
-        data = tar.extractfile(member).read()
+        f.seek(member.offset_data)
+        data = f.read(member.size)
         value = json.loads(data)[field] if field is not None else data.decode("ascii").strip()
     except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
         where = f"{path}: member {member.name!r}" if member is not None else f"{path}: sample {key!r}"
@@ -350,10 +389,14 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
 
 
 class ForeignShards(NamedTuple):
-    """The index :func:`scan_shards` built of shards packer did not write, and each sample's relative path."""
+    """The index :func:`scan_shards` built of shards packer did not write: a row per sample, its relative path,
+    the (offset, size) of each field's member, the fields, and whether samples have a label."""
 
     index: np.ndarray
     relpaths: np.ndarray
+    members: np.ndarray  # (samples, fields, 2) uint64
+    fields: list[Field]
+    labelled: bool
 
 
 class WdsReader(Reader):
@@ -380,11 +423,14 @@ class WdsReader(Reader):
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
     @classmethod
-    def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
-                    warn_skipped: bool = True) -> WdsReader:
+    def from_shards(cls, paths: list[str | os.PathLike], label_key: str | None = "cls",
+                    classes: list[str] | None = None, warn_skipped: bool = True,
+                    keep_fields: bool = False) -> WdsReader:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
-        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``).
-        The index is built once, from the tar headers. Classes default to ``"0"``..``"max label"``.
+        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``;
+        None: ``cls`` where the shards have it, else no label). With ``keep_fields`` every other member is a
+        field (:func:`shard_field`). The index is built once, from the tar headers. Classes default to
+        ``"0"``..``"max label"``.
 
         What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
         in the reader's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
@@ -393,17 +439,23 @@ class WdsReader(Reader):
         if not paths:
             raise PackerError("from_shards needs at least one shard path")
         skipped: list[tuple[str, str]] = []
-        index, relpaths = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        foreign = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        if not keep_fields:  # image and label only
+            foreign = foreign._replace(members=foreign.members[:, :0], fields=[])
+        index = foreign.index
         if len(index) == 0:
-            raise PackerError(f"{paths[0]}: no samples with an image and a {label_key!r} label in these shards")
+            raise PackerError(f"{paths[0]}: no samples with an image in these shards")
         if classes is None:
-            classes = [str(i) for i in range(int(index["label"].max()) + 1)]
+            classes = [str(i) for i in range(int(index["label"].max()) + 1)] if foreign.labelled else []
         root = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
         manifest = {"format": "wds", "count": len(index), "classes": list(classes),
                     "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
                     "shape": None, "checksum": "none",
                     "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
-        reader = cls(root, manifest=manifest, foreign=ForeignShards(index, np.array(relpaths, dtype=str)))
+        if foreign.fields or not foreign.labelled:
+            schema = [PAIR_SCHEMA[0], *([Field("label", "class")] if foreign.labelled else []), *foreign.fields]
+            manifest["fields"] = [f.to_dict() for f in schema]
+        reader = cls(root, manifest=manifest, foreign=foreign)
         reader.skipped = skipped
         if skipped and warn_skipped:
             rel, why = skipped[0]
@@ -470,8 +522,14 @@ class WdsReader(Reader):
         return Sample(memoryview(m)[a:a + size], label, tuple(shape.tolist()), crc if self._has_crc else None)
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
-        """The members after the json member, in order: each header names the field it should be."""
+        """The members after the json member, in order: each header names the field it should be (shards packer
+        did not write: the members their scan found)."""
         row = self.index[index]
+        if self.foreign is not None:
+            m = memoryview(self._map(int(row["shard"])))
+            where = f"{self.shard_paths[int(row['shard'])]} sample {index}"
+            return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
+                         for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
         shard = int(row["shard"])
         m = memoryview(self._map(shard))
         at = -(-(int(row["json_offset"]) + int(row["json_size"])) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
@@ -493,6 +551,8 @@ class WdsReader(Reader):
         return tuple(values)
 
     def fields_checksum(self, index: int) -> int | None:
+        if self.foreign is not None:
+            return None  # other tools record none
         crc = self._info(index).get("fields_crc32")
         return crc if isinstance(crc, int) else None
 
