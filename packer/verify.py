@@ -15,7 +15,7 @@ from pathlib import Path
 from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
-from .manifest import read_manifest, sha256_file
+from .manifest import label_bounds, read_manifest, sha256_file
 from .remote.url import parse_url
 
 
@@ -69,7 +69,7 @@ def verify(dest: str | os.PathLike, deep: bool = False) -> list[str]:
 
 def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str]) -> list[str]:
     problems = []
-    n_classes = len(manifest["classes"])
+    low, high = label_bounds(manifest)
     shape = manifest.get("shape")
     decoding = Decoding(reader)
     for i in range(len(reader)):
@@ -81,8 +81,8 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
             if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
                 problems.append(f"{where}: checksum mismatch, the stored bytes are damaged")
                 continue
-            if not 0 <= sample.label < n_classes:
-                problems.append(f"{where}: label {sample.label} is not a class index (0..{n_classes - 1})")
+            if not low <= sample.label < high:
+                problems.append(f"{where}: label {sample.label} is not a class index ({low}..{high - 1})")
             else:
                 reader.check_label(i, sample.label)
             if deep:

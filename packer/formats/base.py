@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from ..errors import CorruptDataError
-from ..manifest import read_manifest
+from ..manifest import label_bounds, read_manifest
 from ..transforms import Encoded, TransformSpec
 
 
@@ -95,6 +95,7 @@ class Reader(ABC):
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx: dict[str, int] = dict(self.manifest["class_to_idx"])
         self.spec = TransformSpec.from_dict(self.manifest["transform"])
+        self.label_low, self.label_high = label_bounds(self.manifest)
         self._pid: int | None = None
 
     # -- what each format implements ----------------------------------------------------------------------------
@@ -129,6 +130,34 @@ class Reader(ABC):
     @abstractmethod
     def sample_file(self, index: int) -> str:
         """The data file that holds sample ``index``, relative to :attr:`root` as the manifest's ``files`` name it."""
+
+    # -- what the data says against the manifest, checked when a dataset opens --------------------------------------
+    def check_labels(self, where: object, labels: np.ndarray) -> None:
+        """:class:`CorruptDataError` naming ``where`` unless every label is a class index (-1 too for a dataset
+        without class labels)."""
+        if len(labels) and not (self.label_low <= int(labels.min()) and int(labels.max()) < self.label_high):
+            bad = labels[(labels < self.label_low) | (labels >= self.label_high)][0]
+            raise CorruptDataError(f"{where}: label {int(bad)} is not a class index ({self.label_low}.."
+                                   f"{self.label_high - 1}); the dataset is damaged, run `packer verify` and re-pack")
+
+    def check_shapes(self, where: object, shapes: np.ndarray) -> None:
+        """:class:`CorruptDataError` naming ``where`` unless every (H, W, C) row is an image of the dataset's
+        channels, and of the manifest's ``shape`` when it gives one (sides are uint16: at most MAX_SIDE)."""
+        if not len(shapes):
+            return
+        shape = self.manifest.get("shape")
+        bad = (shapes[:, 0] < 1) | (shapes[:, 1] < 1) | (shapes[:, 2] != self.spec.channels)
+        if shape:
+            bad |= (shapes != np.asarray(shape, dtype=shapes.dtype)).any(axis=1)
+        if bad.any():
+            raise CorruptDataError(f"{where}: sample {int(np.flatnonzero(bad)[0])} has shape "
+                                   f"{tuple(shapes[bad][0].tolist())}, not an image of the manifest's shape "
+                                   f"{shape or ['H', 'W', self.spec.channels]}; the dataset is damaged, re-pack")
+
+    def bad_count(self, where: object, found: int) -> CorruptDataError:
+        """The error for data that holds ``found`` samples where the manifest says another count."""
+        return CorruptDataError(f"{where}: holds {found} samples, the manifest says {self.manifest['count']}; the "
+                                "manifest or the data is damaged, run `packer verify` and re-pack")
 
     # -- verify hooks --------------------------------------------------------------------------------------------
     def count_problems(self) -> list[str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from ..errors import CorruptDataError, PackerError
 from ..manifest import file_entry
@@ -242,6 +243,41 @@ class LmdbReader(Reader):
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
+        self._check_data()
+
+    def _check_size(self, now: FileId) -> None:
+        """LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so
+        a file shorter than the manifest says is refused before it is mapped."""
+        path = self.root / "data.mdb"
+        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        if now.size < expected:
+            raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
+                                   "truncated; run `packer verify` and re-pack")
+
+    def _check_data(self) -> None:
+        """Check the records against the manifest before anything is sized from it: as many records as the
+        count, keys 0 to count-1 (the first and the last record), and those two well-formed samples. Every read
+        checks its record's header and label again."""
+        path = self.root / "data.mdb"
+        recorded = self._file_id
+        if recorded is None:
+            return  # missing: the first read says so, naming the file
+        self._check_size(recorded)
+        env = _shared_env(self.root, recorded, self.readahead, self)
+        with env.begin(buffers=True) as txn:
+            entries = txn.stat()["entries"]
+            if entries != self._count:
+                raise self.bad_count(path, entries)
+            if not entries:
+                return
+            cursor = txn.cursor()
+            for position, index in ((cursor.first, 0), (cursor.last, self._count - 1)):
+                if not position() or bytes(cursor.key()) != key(index):
+                    raise CorruptDataError(f"{path}: the records are not keyed 0..{self._count - 1} (found "
+                                           f"{bytes(cursor.key())[:12]!r}); the dataset is damaged, re-pack")
+                sample, _ = unpack_record(cursor.value(), self.describe(index))
+                self.check_labels(self.describe(index), np.array([sample.label]))
+                self.check_shapes(self.describe(index), np.array([sample.shape]))
 
     def __len__(self) -> int:
         return self._count
@@ -262,10 +298,7 @@ class LmdbReader(Reader):
                     raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
                 raise changed_error(path)
             check_unchanged(path, recorded, now)
-            expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
-            if now.size < expected:
-                raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
-                                       "truncated; run `packer verify` and re-pack")
+            self._check_size(now)
         # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
         self.env = _shared_env(self.root, recorded, self.readahead, self)
         self.txn = self.env.begin(buffers=True)
@@ -298,9 +331,11 @@ class LmdbReader(Reader):
         if len(value) >= HEADER.size:
             magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(value)
             start = HEADER.size + path_len
-            if magic == MAGIC and start + size == len(value):
+            if magic == MAGIC and start + size == len(value) and self.label_low <= label < self.label_high:
                 return Sample(value[start:], label, (h, w, c), crc)
-        return self._get(index)[0]  # raises the detailed error
+        sample = self._get(index)[0]  # raises the detailed error
+        self.check_labels(self.describe(index), np.array([sample.label]))
+        return sample
 
     def relpath(self, index: int) -> str:
         self.open()

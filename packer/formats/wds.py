@@ -363,6 +363,39 @@ class WdsReader(Reader):
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
         # by a repack of DEST before then is refused rather than read at the old index's offsets
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
+        if foreign is None:
+            self._check_data()
+
+    def _check_data(self) -> None:
+        """Check the index against the manifest and the shards before anything is sized from either: one row
+        per sample, the manifest's shard counts adding up to the count and matching the rows of each shard,
+        labels class indices and shapes images (a truncated shard is named per sample, as it is read). The index
+        is mapped, not read."""
+        path = self.root / INDEX
+        shards = self.manifest.get("shards", [])
+        try:
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        if index.dtype != INDEX_DTYPE or index.ndim != 1:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise self.bad_count(path, len(index))
+        if sum(int(s.get("count", 0)) for s in shards) != self._count:
+            raise self.bad_count(f"{self.root / 'manifest.json'} (its shard counts)",
+                                 sum(int(s.get("count", 0)) for s in shards))
+        if not len(index):
+            return
+        shard = np.asarray(index["shard"])
+        if int(shard.max()) >= len(shards):
+            raise CorruptDataError(f"{path}: names shard {int(shard.max())}, the manifest lists {len(shards)}; re-pack")
+        per_shard = np.bincount(shard, minlength=len(shards))
+        counts = [int(s.get("count", 0)) for s in shards]
+        if per_shard.tolist() != counts:
+            raise CorruptDataError(f"{path}: holds {per_shard.tolist()[:8]} samples per shard, the manifest says "
+                                   f"{counts[:8]}; the dataset is damaged, re-pack")
+        self.check_labels(path, np.asarray(index["label"]))
+        self.check_shapes(path, np.asarray(index["shape"]))
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
