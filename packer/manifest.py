@@ -112,9 +112,6 @@ def _check_geometry(data: dict, spec, where: str) -> None:
                           and shape[0] * shape[1] <= spec.max_pixels):
             raise ManifestError(f"{where}: 'shape' {str(shape)[:60]} is not an image shape [H, W, {spec.channels}] "
                                 f"with sides 1..{MAX_SIDE}; the dataset is damaged, re-pack it")
-        if spec.fixed_shape is not None and tuple(shape) != spec.fixed_shape:
-            raise ManifestError(f"{where}: 'shape' {shape} disagrees with the transform's {list(spec.fixed_shape)}; "
-                                "the dataset is damaged, re-pack it")
     if "dtype" in data and data["dtype"] != spec.dtype:
         raise ManifestError(f"{where}: 'dtype' {str(data['dtype'])[:30]!r} disagrees with the transform's "
                             f"{spec.dtype!r}; the dataset is damaged, re-pack it")

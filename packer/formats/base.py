@@ -97,6 +97,7 @@ class Reader(ABC):
         self.spec = TransformSpec.from_dict(self.manifest["transform"])
         self.label_low, self.label_high = label_bounds(self.manifest)
         self._pid: int | None = None
+        self._validated = False  # whether _check_data passed (carried to workers with the reader)
 
     # -- what each format implements ----------------------------------------------------------------------------
     @abstractmethod
@@ -132,6 +133,18 @@ class Reader(ABC):
         """The data file that holds sample ``index``, relative to :attr:`root` as the manifest's ``files`` name it."""
 
     # -- what the data says against the manifest, checked when a dataset opens --------------------------------------
+    def validate(self) -> None:
+        """Check the data files against the manifest (:meth:`_check_data`) once, before ``len()``, the first
+        read or :meth:`open` answer anything from the manifest's numbers; a lie is one line of
+        :class:`CorruptDataError` or :class:`~packer.errors.ManifestError` naming the file."""
+        if not self._validated:
+            self._check_data()
+            self._validated = True
+
+    def _check_data(self) -> None:  # noqa: B027 - a reader with nothing beyond the manifest to check
+        """The format's checks of its data files against the manifest (counts, index lengths, labels, shapes),
+        reading only metadata and the per-sample index; no per-process handle is kept."""
+
     def check_labels(self, where: object, labels: np.ndarray) -> None:
         """:class:`CorruptDataError` naming ``where`` unless every label is a class index (-1 too for a dataset
         without class labels)."""
@@ -142,17 +155,15 @@ class Reader(ABC):
 
     def check_shapes(self, where: object, shapes: np.ndarray) -> None:
         """:class:`CorruptDataError` naming ``where`` unless every (H, W, C) row is an image of the dataset's
-        channels, and of the manifest's ``shape`` when it gives one (sides are uint16: at most MAX_SIDE)."""
+        channels (sides are uint16: at most MAX_SIDE). A sample of another shape than the manifest's is named
+        as it is read (``packer verify --deep`` names each)."""
         if not len(shapes):
             return
-        shape = self.manifest.get("shape")
         bad = (shapes[:, 0] < 1) | (shapes[:, 1] < 1) | (shapes[:, 2] != self.spec.channels)
-        if shape:
-            bad |= (shapes != np.asarray(shape, dtype=shapes.dtype)).any(axis=1)
         if bad.any():
             raise CorruptDataError(f"{where}: sample {int(np.flatnonzero(bad)[0])} has shape "
-                                   f"{tuple(shapes[bad][0].tolist())}, not an image of the manifest's shape "
-                                   f"{shape or ['H', 'W', self.spec.channels]}; the dataset is damaged, re-pack")
+                                   f"{tuple(shapes[bad][0].tolist())}, not an (H, W, {self.spec.channels}) image; "
+                                   "the dataset is damaged, re-pack")
 
     def bad_count(self, where: object, found: int) -> CorruptDataError:
         """The error for data that holds ``found`` samples where the manifest says another count."""
@@ -180,6 +191,7 @@ class Reader(ABC):
         """Open this process's handles now (once per process; later calls return at once), so that a missing,
         damaged or replaced data file is reported before any sample is asked for."""
         if self._pid != os.getpid():
+            self.validate()
             self._open()
             self._pid = os.getpid()
 

@@ -134,7 +134,6 @@ class Hdf5Reader(Reader):
         self.path = self.root / FILENAME
         self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
         self._file_id = file_id(self.path)  # the file the manifest just read describes
-        self._check_data()
 
     def _check_data(self) -> None:
         """Check the file's arrays against the manifest before anything is sized from either: every per-sample
@@ -142,6 +141,9 @@ class Hdf5Reader(Reader):
         manifest's shape and dtype, labels are class indices, shapes are images. Only metadata and the small
         per-sample arrays are read; the file is closed again (each process opens its own)."""
         n = self._count
+        now = file_id(self.path)
+        if self._file_id is not None and now is not None:
+            check_unchanged(self.path, self._file_id, now)  # replaced since the manifest was read
         try:
             with h5py.File(self.path, "r", locking=self.locking) as f:
                 arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
@@ -180,6 +182,7 @@ class Hdf5Reader(Reader):
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
 
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:

@@ -243,7 +243,6 @@ class LmdbReader(Reader):
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
-        self._check_data()
 
     def _check_size(self, now: FileId) -> None:
         """LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so
@@ -259,10 +258,11 @@ class LmdbReader(Reader):
         count, keys 0 to count-1 (the first and the last record), and those two well-formed samples. Every read
         checks its record's header and label again."""
         path = self.root / "data.mdb"
-        recorded = self._file_id
-        if recorded is None:
-            return  # missing: the first read says so, naming the file
-        self._check_size(recorded)
+        recorded, now = self._file_id, file_id(path)
+        if recorded is None or now is None:
+            return  # missing: opening says so, naming the file
+        check_unchanged(path, recorded, now)  # replaced since the manifest was read
+        self._check_size(now)
         env = _shared_env(self.root, recorded, self.readahead, self)
         with env.begin(buffers=True) as txn:
             entries = txn.stat()["entries"]
@@ -280,6 +280,7 @@ class LmdbReader(Reader):
                 self.check_shapes(self.describe(index), np.array([sample.shape]))
 
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:

@@ -363,20 +363,23 @@ class WdsReader(Reader):
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
         # by a repack of DEST before then is refused rather than read at the old index's offsets
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
-        if foreign is None:
-            self._check_data()
 
     def _check_data(self) -> None:
         """Check the index against the manifest and the shards before anything is sized from either: one row
         per sample, the manifest's shard counts adding up to the count and matching the rows of each shard,
         labels class indices and shapes images (a truncated shard is named per sample, as it is read). The index
         is mapped, not read."""
+        if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
+            return
         path = self.root / INDEX
         shards = self.manifest.get("shards", [])
         try:
             index = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded, now = self._file_ids.get(path), file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # replaced since the manifest was read
+            raise changed_error(path)
         if index.dtype != INDEX_DTYPE or index.ndim != 1:
             raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
         if len(index) != self._count:
@@ -431,6 +434,7 @@ class WdsReader(Reader):
         return reader
 
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:
