@@ -25,6 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import packer  # noqa: E402
 from packer.errors import PackerError  # noqa: E402
+from packer.verify import verify  # noqa: E402
 
 INTS = st.one_of(st.sampled_from([0, 1, 2, 3, -1, -56, 255, 65535, 65536, 100_000, 2**31, 10**12, 2**63 - 1]),
                  st.integers(-(2**64), 2**64))
@@ -61,7 +62,7 @@ def check(dest: Path) -> None:
     else:
         assert got == ORIGINAL, "a mutated dataset read as other samples, with no error"
     try:
-        problems = packer.verify(dest)
+        problems = verify(dest)
     except PackerError as exc:
         one_line(exc)
     else:
@@ -132,7 +133,7 @@ def mutate_lmdb(dest: Path, data) -> None:
         if kind == "header":
             fields = list(HEADER.unpack_from(value))
             field = data.draw(st.integers(1, 8))  # label, crc32, height, width, channels, reserved, lengths
-            dtype = {"i": np.int32, "I": np.uint32, "H": np.uint16, "B": np.uint8}["4siIHHBBHI"[field]]
+            dtype = [None, np.int32, np.uint32, np.uint16, np.uint16, np.uint8, np.uint8, np.uint16, np.uint32][field]
             fields[field] = clip(data.draw(INTS), np.dtype(dtype))
             value[:HEADER.size] = HEADER.pack(*fields)
             txn.put(key(i), bytes(value))
