@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
 FORMAT_VERSION = 2  # the newest this packer reads; a dataset with "fields" is written as 2
 PLAIN_FORMAT_VERSION = 1  # an image-and-class dataset is still written as 1, which older packers read
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read (PACKER_MAX_MANIFEST_BYTES)
 REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,
             "transform": dict, "files": list}
 
@@ -93,10 +94,48 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
     from .transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
 
     try:
-        TransformSpec.from_dict(data["transform"])
+        spec = TransformSpec.from_dict(data["transform"])
     except (TypeError, ValueError) as exc:
         raise ManifestError(f"{where}: malformed 'transform' ({exc}); the dataset is damaged, re-pack it") from None
+    _check_geometry(data, spec, where)
     return data
+
+
+def _check_geometry(data: dict, spec, where: str) -> None:
+    """The manifest's ``shape`` and ``dtype`` as a reader may allocate from them: a shape is three positive
+    ints, each side at most ``MAX_SIDE``, within ``max_pixels``, of the transform's channels."""
+    from .transforms import MAX_SIDE
+
+    shape = data.get("shape")
+    if shape is not None:
+        ok = (isinstance(shape, list) and len(shape) == 3
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in shape))
+        if not ok or not (1 <= shape[0] <= MAX_SIDE and 1 <= shape[1] <= MAX_SIDE and shape[2] == spec.channels
+                          and shape[0] * shape[1] <= spec.max_pixels):
+            raise ManifestError(f"{where}: 'shape' {str(shape)[:60]} is not an image shape [H, W, {spec.channels}] "
+                                f"with sides 1..{MAX_SIDE}; the dataset is damaged, re-pack it")
+    if "dtype" in data and data["dtype"] != spec.dtype:
+        raise ManifestError(f"{where}: 'dtype' {str(data['dtype'])[:30]!r} disagrees with the transform's "
+                            f"{spec.dtype!r}; the dataset is damaged, re-pack it")
+    if any(isinstance(s.get("count", 0), bool) or s.get("count", 0) < 0 for s in data.get("shards", [])):
+        raise ManifestError(f"{where}: a negative count in 'shards'; the dataset is damaged, re-pack it")
+
+
+def label_bounds(manifest: dict) -> tuple[int, int]:
+    """``(low, high)``: the labels a dataset's samples may have, ``low <= label < high``. A dataset whose
+    ``fields`` list holds no field of kind ``class`` stores -1 for "no label"."""
+    fields = manifest.get("fields")
+    unlabelled = isinstance(fields, list) and not any(isinstance(f, dict) and f.get("kind") == "class"
+                                                       for f in fields)
+    return (-1 if unlabelled else 0), len(manifest.get("classes", []))
+
+
+def max_manifest_bytes() -> int:
+    """The most bytes a manifest may have: ``PACKER_MAX_MANIFEST_BYTES``, else 64 MiB."""
+    try:
+        return max(1, int(os.environ.get("PACKER_MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES)))
+    except ValueError:
+        return MAX_MANIFEST_BYTES
 
 
 def is_safe_name(name: object) -> bool:
@@ -159,6 +198,10 @@ def read_manifest(dest: str | os.PathLike) -> dict:
     if not path.exists():
         raise _not_a_dataset(dest)
     try:
+        size, cap = path.stat().st_size, max_manifest_bytes()
+        if size > cap:
+            raise ManifestError(f"{path}: {size:,} bytes, over the {cap:,}-byte limit on manifests; the dataset is "
+                                "damaged (or raise PACKER_MAX_MANIFEST_BYTES)")
         text = path.read_bytes()
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read ({exc.strerror})") from None

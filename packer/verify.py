@@ -16,9 +16,8 @@ from tqdm import tqdm
 
 from .decoding import Decoding
 from .errors import PackerError
-from .fields import label_field
 from .formats import Reader, open_reader
-from .manifest import read_manifest, sha256_file
+from .manifest import label_bounds, read_manifest, sha256_file
 from .remote.url import parse_url
 
 
@@ -78,10 +77,9 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
 def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str],
                    progress: bool = False) -> list[str]:
     problems = []
-    n_classes = len(manifest["classes"])
+    low, high = label_bounds(manifest)
     shape = manifest.get("shape")
     decoding = Decoding(reader)
-    has_label = label_field(reader.schema) is not None
     for i in tqdm(range(len(reader)), desc="decoding samples" if deep else "checking samples", unit="img",
                   disable=None if progress else True, leave=False):
         if not deep and reader.sample_file(i) not in damaged_files:
@@ -92,9 +90,9 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
             if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
                 problems.append(f"{where}: checksum mismatch, the stored bytes are damaged")
                 continue
-            if has_label and not 0 <= sample.label < n_classes:
-                problems.append(f"{where}: label {sample.label} is not a class index (0..{n_classes - 1})")
-            elif has_label:
+            if not low <= sample.label < high:
+                problems.append(f"{where}: label {sample.label} is not a class index ({low}..{high - 1})")
+            else:
                 reader.check_label(i, sample.label)
             reader.read_fields(i, verify=True)  # the extra fields' checksum
             if deep:

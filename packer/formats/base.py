@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
-from ..manifest import read_manifest
+from ..manifest import label_bounds, read_manifest
 from ..transforms import Encoded, TransformSpec
 
 
@@ -101,7 +101,9 @@ class Reader(ABC):
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx: dict[str, int] = dict(self.manifest["class_to_idx"])
         self.spec = TransformSpec.from_dict(self.manifest["transform"])
+        self.label_low, self.label_high = label_bounds(self.manifest)
         self._pid: int | None = None
+        self._validated = False  # whether _check_data passed (carried to workers with the reader)
 
     # -- what each format implements ----------------------------------------------------------------------------
     @abstractmethod
@@ -172,6 +174,44 @@ class Reader(ABC):
     def sample_file(self, index: int) -> str:
         """The data file that holds sample ``index``, relative to :attr:`root` as the manifest's ``files`` name it."""
 
+    # -- what the data says against the manifest, checked when a dataset opens --------------------------------------
+    def validate(self) -> None:
+        """Check the data files against the manifest (:meth:`_check_data`) once, before ``len()``, the first
+        read or :meth:`open` answer anything from the manifest's numbers; a lie is one line of
+        :class:`CorruptDataError` or :class:`~packer.errors.ManifestError` naming the file."""
+        if not self._validated:
+            self._check_data()
+            self._validated = True
+
+    def _check_data(self) -> None:  # noqa: B027 - a reader with nothing beyond the manifest to check
+        """The format's checks of its data files against the manifest (counts, index lengths, labels, shapes),
+        reading only metadata and the per-sample index; no per-process handle is kept."""
+
+    def check_labels(self, where: object, labels: np.ndarray) -> None:
+        """:class:`CorruptDataError` naming ``where`` unless every label is a class index (-1 too for a dataset
+        without class labels)."""
+        if len(labels) and not (self.label_low <= int(labels.min()) and int(labels.max()) < self.label_high):
+            bad = labels[(labels < self.label_low) | (labels >= self.label_high)][0]
+            raise CorruptDataError(f"{where}: label {int(bad)} is not a class index ({self.label_low}.."
+                                   f"{self.label_high - 1}); the dataset is damaged, run `packer verify` and re-pack")
+
+    def check_shapes(self, where: object, shapes: np.ndarray) -> None:
+        """:class:`CorruptDataError` naming ``where`` unless every (H, W, C) row is an image of the dataset's
+        channels (sides are uint16: at most MAX_SIDE). A sample of another shape than the manifest's is named
+        as it is read (``packer verify --deep`` names each)."""
+        if not len(shapes):
+            return
+        bad = (shapes[:, 0] < 1) | (shapes[:, 1] < 1) | (shapes[:, 2] != self.spec.channels)
+        if bad.any():
+            raise CorruptDataError(f"{where}: sample {int(np.flatnonzero(bad)[0])} has shape "
+                                   f"{tuple(shapes[bad][0].tolist())}, not an (H, W, {self.spec.channels}) image; "
+                                   "the dataset is damaged, re-pack")
+
+    def bad_count(self, where: object, found: int) -> CorruptDataError:
+        """The error for data that holds ``found`` samples where the manifest says another count."""
+        return CorruptDataError(f"{where}: holds {found} samples, the manifest says {self.manifest['count']}; the "
+                                "manifest or the data is damaged, run `packer verify` and re-pack")
+
     # -- verify hooks --------------------------------------------------------------------------------------------
     def count_problems(self) -> list[str]:
         """Where the open data disagrees with the manifest's sample count (``packer verify``)."""
@@ -193,6 +233,7 @@ class Reader(ABC):
         """Open this process's handles now (once per process; later calls return at once), so that a missing,
         damaged or replaced data file is reported before any sample is asked for."""
         if self._pid != os.getpid():
+            self.validate()
             self._open()
             self._pid = os.getpid()
 

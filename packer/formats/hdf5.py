@@ -25,7 +25,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, PackerError
 from ..fields import NUMERIC, Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
@@ -178,7 +178,54 @@ class Hdf5Reader(Reader):
         self.fields_crcs: np.ndarray | None = None
         self._file_id = file_id(self.path)  # the file the manifest just read describes
 
+    def _check_data(self) -> None:
+        """Check the file's arrays against the manifest before anything is sized from either: every per-sample
+        array holds ``count`` rows, ``offsets`` one more and inside ``images``, a fixed-shape ``images`` has the
+        manifest's shape and dtype, labels are class indices, shapes are images. Only metadata and the small
+        per-sample arrays are read; the file is closed again (each process opens its own)."""
+        n = self._count
+        now = file_id(self.path)
+        if self._file_id is not None and now is not None:
+            check_unchanged(self.path, self._file_id, now)  # replaced since the manifest was read
+        try:
+            with h5py.File(self.path, "r", locking=self.locking) as f:
+                arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
+                offsets = f["offsets"] if "offsets" in f else None
+                if arrays["labels"].shape != (n,):
+                    raise self.bad_count(f"{self.path} (labels)", arrays["labels"].shape[0] if arrays["labels"].ndim
+                                         else 0)
+                expect = {"crc32": (n,), "relpaths": (n,), "shapes": (n, 3)}
+                for name, shape in expect.items():
+                    if arrays[name].shape != shape:
+                        raise CorruptDataError(f"{self.path}: '{name}' is {arrays[name].shape}, {n} samples need "
+                                               f"{shape}; the file is damaged, re-pack")
+                images = arrays["images"]
+                fixed = self.manifest.get("shape")
+                if offsets is None:
+                    if not self.is_raw or not fixed or images.shape != (n, *fixed) or images.dtype != self.spec.dtype:
+                        raise CorruptDataError(f"{self.path}: 'images' is {images.shape} {images.dtype}, the manifest "
+                                               f"says {n} x {fixed} {self.spec.dtype}; the file is damaged, re-pack")
+                else:
+                    if offsets.shape != (n + 1,) or images.ndim != 1:
+                        raise CorruptDataError(f"{self.path}: 'offsets' is {offsets.shape}, {n} samples need "
+                                               f"({n + 1},); the file is damaged, re-pack")
+                    ends = offsets[[0, n]] if n else offsets[[0]]
+                    if int(ends[0]) != 0 or int(ends[-1]) > images.shape[0]:
+                        raise CorruptDataError(f"{self.path}: 'offsets' run past 'images'; the file is damaged, "
+                                               "re-pack")
+                for name in ("labels", "shapes"):
+                    if arrays[name].dtype.kind not in "iu":
+                        raise CorruptDataError(f"{self.path}: '{name}' is {arrays[name].dtype}, not integers; "
+                                               "the file is damaged, re-pack")
+                self.check_labels(self.path, arrays["labels"][()])
+                self.check_shapes(self.path, arrays["shapes"][()])
+        except PackerError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:

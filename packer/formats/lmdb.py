@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from ..errors import CorruptDataError, PackerError
 from ..fields import fields_crc32
@@ -275,7 +276,43 @@ class LmdbReader(Reader):
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
 
+    def _check_size(self, now: FileId) -> None:
+        """LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so
+        a file shorter than the manifest says is refused before it is mapped."""
+        path = self.root / "data.mdb"
+        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        if now.size < expected:
+            raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
+                                   "truncated; run `packer verify` and re-pack")
+
+    def _check_data(self) -> None:
+        """Check the records against the manifest before anything is sized from it: as many records as the
+        count, keys 0 to count-1 (the first and the last record), and those two well-formed samples. Every read
+        checks its record's header and label again."""
+        path = self.root / "data.mdb"
+        recorded, now = self._file_id, file_id(path)
+        if recorded is None or now is None:
+            return  # missing: opening says so, naming the file
+        check_unchanged(path, recorded, now)  # replaced since the manifest was read
+        self._check_size(now)
+        env = _shared_env(self.root, recorded, self.readahead, self)
+        with env.begin(buffers=True) as txn:
+            entries = txn.stat()["entries"]
+            if entries != self._count:
+                raise self.bad_count(path, entries)
+            if not entries:
+                return
+            cursor = txn.cursor()
+            for position, index in ((cursor.first, 0), (cursor.last, self._count - 1)):
+                if not position() or bytes(cursor.key()) != key(index):
+                    raise CorruptDataError(f"{path}: the records are not keyed 0..{self._count - 1} (found "
+                                           f"{bytes(cursor.key())[:12]!r}); the dataset is damaged, re-pack")
+                sample, _ = unpack_record(cursor.value(), self.describe(index))
+                self.check_labels(self.describe(index), np.array([sample.label]))
+                self.check_shapes(self.describe(index), np.array([sample.shape]))
+
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:
@@ -294,10 +331,7 @@ class LmdbReader(Reader):
                     raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
                 raise changed_error(path)
             check_unchanged(path, recorded, now)
-            expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
-            if now.size < expected:
-                raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
-                                       "truncated; run `packer verify` and re-pack")
+            self._check_size(now)
         # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
         self.env = _shared_env(self.root, recorded, self.readahead, self)
         self.txn = self.env.begin(buffers=True)
@@ -330,11 +364,14 @@ class LmdbReader(Reader):
         if len(value) >= HEADER.size:
             magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(value)
             start = HEADER.size + path_len
-            if magic == MAGIC and start + size == len(value):
+            if magic == MAGIC and start + size == len(value) and self.label_low <= label < self.label_high:
                 return Sample(value[start:], label, (h, w, c), crc)
-            if magic == MAGIC_FIELDS and start + size <= len(value):
+            if (magic == MAGIC_FIELDS and start + size <= len(value)
+                    and self.label_low <= label < self.label_high):
                 return Sample(value[start:start + size], label, (h, w, c), crc)
-        return self._get(index)[0]  # raises the detailed error
+        sample = self._get(index)[0]  # raises the detailed error
+        self.check_labels(self.describe(index), np.array([sample.label]))
+        return sample
 
     def _fields(self, index: int) -> tuple[tuple[memoryview, ...], int]:
         value = self._value(index)

@@ -79,7 +79,12 @@ class PartedReader(Reader):
         self._count = int(self.starts[-1])
 
     def __len__(self) -> int:
+        self.validate()
         return self._count
+
+    def _check_data(self) -> None:
+        for reader in self.readers:  # each part against its own count, before the parts' sum is answered
+            reader.validate()
 
     def _open(self) -> None:
         for reader in self.readers:

@@ -440,6 +440,42 @@ class WdsReader(Reader):
         # by a repack of DEST before then is refused rather than read at the old index's offsets
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
+    def _check_data(self) -> None:
+        """Check the index against the manifest and the shards before anything is sized from either: one row
+        per sample, the manifest's shard counts adding up to the count and matching the rows of each shard,
+        labels class indices and shapes images (a truncated shard is named per sample, as it is read). The index
+        is mapped, not read."""
+        if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
+            return
+        path = self.root / INDEX
+        shards = self.manifest.get("shards", [])
+        try:
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded, now = self._file_ids.get(path), file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # replaced since the manifest was read
+            raise changed_error(path)
+        if index.dtype != INDEX_DTYPE or index.ndim != 1:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise self.bad_count(path, len(index))
+        if sum(int(s.get("count", 0)) for s in shards) != self._count:
+            raise self.bad_count(f"{self.root / 'manifest.json'} (its shard counts)",
+                                 sum(int(s.get("count", 0)) for s in shards))
+        if not len(index):
+            return
+        shard = np.asarray(index["shard"])
+        if int(shard.max()) >= len(shards):
+            raise CorruptDataError(f"{path}: names shard {int(shard.max())}, the manifest lists {len(shards)}; re-pack")
+        per_shard = np.bincount(shard, minlength=len(shards))
+        counts = [int(s.get("count", 0)) for s in shards]
+        if per_shard.tolist() != counts:
+            raise CorruptDataError(f"{path}: holds {per_shard.tolist()[:8]} samples per shard, the manifest says "
+                                   f"{counts[:8]}; the dataset is damaged, re-pack")
+        self.check_labels(path, np.asarray(index["label"]))
+        self.check_shapes(path, np.asarray(index["shape"]))
+
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str | None = "cls",
                     classes: list[str] | None = None, warn_skipped: bool = True,
@@ -483,6 +519,7 @@ class WdsReader(Reader):
         return reader
 
     def __len__(self) -> int:
+        self.validate()
         return self._count
 
     def _open(self) -> None:

@@ -19,10 +19,42 @@ T = TypeVar("T")
 STATS = {"requests": 0, "bytes": 0}  # this process's reads, for packer bench
 
 
-def _cat(fs: Any, url: str, start: int | None = None, end: int | None = None) -> bytes:
-    """One GET (ranged when ``start`` is given), counted."""
+def _is_http(fs: Any) -> bool:
+    return any(p in ("http", "https") for p in ([fs.protocol] if isinstance(fs.protocol, str) else fs.protocol))
+
+
+def _stream(fs: Any, url: str, start: int | None, limit: int) -> bytes:
+    """An HTTP GET (ranged from ``start``) read as a stream, at most ``limit + 1`` bytes whatever the server
+    says or sends: ``cat_file`` reads a whole body into memory, however long."""
+    headers = {"Range": f"bytes={start}-{start + limit - 1}"} if start is not None else {}
+    with fs.open(url, "rb", block_size=0, size=limit or 1, headers=headers) as f:
+        status = getattr(f.r, "status", 206)
+        if start and status != 206:
+            raise RemoteError(f"{url}: the server ignored a Range request (HTTP {status}); serve the dataset "
+                              "from storage that supports ranged reads")
+        if start is not None and status != 206:
+            limit -= 1  # the whole object from its start: its first ``limit`` bytes are the range asked for
+        parts, got = [], 0
+        while got <= limit:
+            block = f.read(min(1 << 20, limit + 1 - got))
+            if not block:
+                break
+            parts.append(block)
+            got += len(block)
+    return b"".join(parts)
+
+
+def _cat(fs: Any, url: str, start: int | None = None, end: int | None = None, limit: int | None = None) -> bytes:
+    """One GET (ranged when ``start`` is given), counted; never more than ``end - start`` (or ``limit``) bytes
+    plus one are read into memory, so a longer answer is seen as one without growing past it."""
     STATS["requests"] += 1
-    data = fs.cat_file(url, start=start, end=end)
+    most = (end - start) if start is not None and end is not None else limit
+    if most is not None and _is_http(fs):
+        data = _stream(fs, url, start, most)
+    elif start is None and limit is not None:
+        data = fs.cat_file(url, start=0, end=limit + 1)
+    else:
+        data = fs.cat_file(url, start=start, end=end)
     STATS["bytes"] += len(data)
     return data
 
@@ -55,9 +87,18 @@ def retrying(call: Callable[[], T], url: str, what: str = "read") -> T:
     raise AssertionError("unreachable")
 
 
-def read_bytes(fs: Any, url: str) -> bytes:
-    """The whole (small) object at ``url``."""
-    return retrying(lambda: _cat(fs, url), url)
+def read_bytes(fs: Any, url: str, limit: int | None = None) -> bytes:
+    """The whole (small) object at ``url``; with ``limit``, one larger than that is a :class:`RemoteError`
+    (from its stated size when the storage gives one, else after ``limit + 1`` bytes), never read whole."""
+    if limit is None:
+        return retrying(lambda: _cat(fs, url), url)
+    size = retrying(lambda: fs.size(url), url)
+    data = b"" if size is not None and size > limit else retrying(lambda: _cat(fs, url, limit=limit), url)
+    if (size is not None and size > limit) or len(data) > limit:
+        said = f"{size:,} bytes" if size is not None and size > limit else f"over {limit:,} bytes"
+        raise RemoteError(f"{url}: {said}, over the {limit:,}-byte limit on manifests and indexes; the remote "
+                          "object is not a packer manifest (or raise PACKER_MAX_MANIFEST_BYTES)")
+    return data
 
 
 def download(fs: Any, url: str, target: Path, size: int, sha256: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, RemoteError, UrlError
-from ..manifest import MANIFEST, parse_manifest
+from ..manifest import MANIFEST, max_manifest_bytes, parse_manifest
 from .cache import Cache, Pin
 from .fetch import download, read_bytes
 from .fs import filesystem
@@ -35,7 +35,7 @@ def remote_manifest(remote: RemoteUrl, storage_options: dict | None = None) -> t
     url = remote.join(MANIFEST)
     fs = filesystem(remote.protocol, storage_options)
     try:
-        text = read_bytes(fs, url)
+        text = read_bytes(fs, url, max_manifest_bytes())
     except UrlError as exc:
         if "not found" not in str(exc):
             raise
