@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,17 @@ def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Seque
                                         buffer=buffer))
         rows.append({"order": f"stream(buffer={buffer})", "mixing": batch_mixing(streamed, batch_size)})
     return rows
+
+
+def measure_shuffle_quality(src: str | os.PathLike, work: str | os.PathLike, batch_size: int,
+                            progress: bool = False) -> dict[str, Any]:
+    """Pack ``src`` into ``work`` as a small WebDataset in class order (jpeg, 32 px: only labels matter), then
+    :func:`shuffle_quality` on it; ``packer bench``'s shuffle-quality section."""
+    from ..convert import pack
+
+    dest = Path(work) / "shuffle-quality-wds"
+    pack(src, dest, "wds", shuffle=False, store="jpeg", resize=32, center_crop=32, progress=progress)
+    return {"batch_size": batch_size, "rows": shuffle_quality(dest, batch_size)}
 
 
 def quality_lines(rows: Sequence[dict[str, Any]], batch_size: int) -> list[str]:
