@@ -68,7 +68,7 @@ def tiny_tree(dest: Path, count: int, classes: int = 10, distinct: int = 4) -> i
     for i in range(count):
         folder = dest / f"class{i % classes:02d}"
         if i < classes:
-            folder.mkdir(exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
         link = folder / f"{i:08d}.jpg"
         if not link.exists():
             os.link(files[i % distinct], link)
