@@ -53,17 +53,19 @@ def linked_copies(src: Path, dest: Path, copies: int) -> int:
     return count
 
 
-def tiny_tree(dest: Path, count: int, classes: int = 10, distinct: int = 4) -> int:
-    """``dest`` as an ImageFolder tree of ``count`` tiny JPEGs: hard links of ``distinct`` 8x8 files."""
+def tiny_tree(dest: Path, count: int, classes: int = 10) -> int:
+    """``dest`` as an ImageFolder tree of ``count`` tiny JPEGs: hard links of a few 8x8 files (one per 50,000
+    links: ext4 allows 65,000 links to a file)."""
     from PIL import Image
 
+    distinct = max(4, -(-count // 50_000))
     originals = dest.with_name(dest.name + "-originals")
     originals.mkdir(parents=True, exist_ok=True)
     files = []
     for k in range(distinct):
         path = originals / f"tiny-{k}.jpg"
         if not path.exists():
-            Image.new("RGB", (8, 8), (40 * k, 255 - 40 * k, 128)).save(path, quality=90)
+            Image.new("RGB", (8, 8), (40 * k % 256, (255 - 40 * k) % 256, k % 256)).save(path, quality=90)
         files.append(path)
     for i in range(count):
         folder = dest / f"class{i % classes:02d}"
