@@ -6,6 +6,10 @@ largest of its conversion workers'.
     python benchmarks/pack_memory.py bench-out/data-3000 --work /tmp/packmem
     python benchmarks/pack_memory.py bench-out/data-3000 --copies 1,4,8 --store original --resize none \
         --center-crop none
+    python benchmarks/pack_memory.py --tiny 20000,1000000 --store original --resize none --center-crop none
+
+``--tiny N`` packs N tiny images instead (hard links of a few 8x8 JPEGs, 10 classes), so that a million images
+fit on a small disk and pack in minutes: what grows with the count of images shows, not with their bytes.
 
 The copies are hard links (no extra disk, same bytes), renamed so that every file is a sample of its own. Flat
 means the peak does not grow with the number of images beyond the per-sample index every format keeps (a path,
@@ -49,6 +53,30 @@ def linked_copies(src: Path, dest: Path, copies: int) -> int:
     return count
 
 
+def tiny_tree(dest: Path, count: int, classes: int = 10) -> int:
+    """``dest`` as an ImageFolder tree of ``count`` tiny JPEGs: hard links of a few 8x8 files (one per 50,000
+    links: ext4 allows 65,000 links to a file)."""
+    from PIL import Image
+
+    distinct = max(4, -(-count // 50_000))
+    originals = dest.with_name(dest.name + "-originals")
+    originals.mkdir(parents=True, exist_ok=True)
+    files = []
+    for k in range(distinct):
+        path = originals / f"tiny-{k}.jpg"
+        if not path.exists():
+            Image.new("RGB", (8, 8), (40 * k % 256, (255 - 40 * k) % 256, k % 256)).save(path, quality=90)
+        files.append(path)
+    for i in range(count):
+        folder = dest / f"class{i % classes:02d}"
+        if i < classes:
+            folder.mkdir(parents=True, exist_ok=True)
+        link = folder / f"{i:08d}.jpg"
+        if not link.exists():
+            os.link(files[i % distinct], link)
+    return count
+
+
 def peak_of_pack(src: Path, dest: Path, options: list[str]) -> tuple[float, float, float]:
     """(seconds, peak RSS MB of the packing process, largest peak RSS MB of a worker) of ``packer pack src dest``."""
     report = dest.with_name(dest.name + ".peaks.json")
@@ -65,7 +93,10 @@ def peak_of_pack(src: Path, dest: Path, options: list[str]) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", type=Path, help="an ImageFolder tree (e.g. bench-out/data-3000)")
+    parser.add_argument("src", type=Path, nargs="?", help="an ImageFolder tree (e.g. bench-out/data-3000)")
+    parser.add_argument("--tiny", default=None, help="pack these counts of tiny images instead of SRC (e.g. "
+                        "20000,1000000)")
+    parser.add_argument("--workers", default="2", help="--workers of packer pack")
     parser.add_argument("--work", type=Path, default=Path("bench-out/pack-memory"), help="scratch folder")
     parser.add_argument("--copies", default="1,2,4", help="dataset sizes, as multiples of SRC")
     parser.add_argument("--formats", default="lmdb,hdf5,wds")
@@ -73,17 +104,20 @@ def main() -> None:
     parser.add_argument("--resize", default="256", help="'none': no resize (as --store original needs)")
     parser.add_argument("--center-crop", default="224", help="'none': no crop")
     args = parser.parse_args()
-    options = ["--store", args.store]
+    if (args.src is None) == (args.tiny is None):
+        parser.error("give SRC or --tiny N, not both")
+    options = ["--store", args.store, "--workers", args.workers]
     options += ["--resize", args.resize] if args.resize != "none" else []
     options += ["--center-crop", args.center_crop] if args.center_crop != "none" else []
     print("| format | images | seconds | peak RSS, packer (MB) | peak RSS, largest worker (MB) |\n"
           "|---|---:|---:|---:|---:|")
     try:
-        for copies in [int(c) for c in args.copies.split(",")]:
-            src = args.work / f"src-x{copies}"
-            count = linked_copies(args.src, src, copies)
+        sizes = args.tiny if args.tiny is not None else args.copies
+        for size in [int(c) for c in sizes.split(",")]:
+            src = args.work / f"src-{size}"
+            count = tiny_tree(src, size) if args.tiny is not None else linked_copies(args.src, src, size)
             for fmt in args.formats.split(","):
-                dest = args.work / f"{fmt}-x{copies}"
+                dest = args.work / f"{fmt}-{size}"
                 shutil.rmtree(dest, ignore_errors=True)
                 seconds, own, worker = peak_of_pack(src, dest, ["--format", fmt, *options])
                 shutil.rmtree(dest, ignore_errors=True)

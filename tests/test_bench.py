@@ -288,3 +288,12 @@ def test_decode_ceiling_decodes_as_the_reader_does(tiny_folder, tmp_path):
         payload, _ = ds.raw_sample(i)
         out = decode_like_reader(ds, payload, i, np.empty((24, 24, 3), np.uint8))
         assert np.array_equal(out, ds[i][0].permute(1, 2, 0).numpy())
+
+
+def test_shuffle_quality_section_compares_the_orders(bench_run):
+    _, out, results = bench_run
+    orders = {row["order"]: row["mixing"] for row in results["shuffle_quality"]["rows"]}
+    # 2 classes packed in class order, batch 4: every batch but the one across the classes holds one class
+    assert orders["packed order (no shuffle)"] > 0.4
+    assert orders["make_loader(shuffle=True)"] < orders["packed order (no shuffle)"]
+    assert "## Shuffle quality" in (out / "results.md").read_text()

@@ -266,3 +266,38 @@ def test_jpeg_store_psnr_bound_on_sample_data(resize, crop, sample_data, tmp_pat
     worst = min(psnr(hwc(ds[i][0]), reference(sample_data / ds.relpath(i), resize, (crop, crop)))
                 for i in range(len(ds)))
     assert worst > PSNR_BOUNDS[(resize, crop)], worst
+
+
+PEAK_OF_PACK = """
+import resource, sys
+from packer.cli import main
+try:
+    main(sys.argv[1:], prog_name="packer")
+except SystemExit as exc:
+    if exc.code:
+        raise
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _tiny_tree(root: Path, count: int, originals: list[Path]) -> Path:
+    for i in range(count):
+        folder = root / f"c{i % 5}"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.link(originals[i % len(originals)], folder / f"{i:06d}.jpg")
+    return root
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_conversion_memory_does_not_grow_with_the_dataset(fmt, tmp_path):
+    """Peak RSS of a pack 4x larger stays near the smaller one's: only a per-image index grows (tens of bytes)."""
+    originals = [write_image(tmp_path / "originals" / f"{k}.jpg", 8, 8, seed=k) for k in range(4)]
+    peaks, env = [], {**os.environ, "PYTHONPATH": str(Path(packer.__file__).parents[1])}
+    for count in (2000, 8000):
+        src = _tiny_tree(tmp_path / f"src-{count}", count, originals)
+        proc = subprocess.run([sys.executable, "-c", PEAK_OF_PACK, "pack", str(src), str(tmp_path / f"{fmt}-{count}"),
+                               "--format", fmt, "--store", "original", "--workers", "1", "--quiet"],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        peaks.append(int(proc.stdout.split()[-1]) / 1024)
+    assert peaks[1] < peaks[0] * 1.3, f"{fmt}: peak RSS {peaks[0]:.0f} MB at 2,000 images, {peaks[1]:.0f} at 8,000"

@@ -12,6 +12,7 @@ from typing import Any
 from .chart import plot
 from .machine import describe_load, describe_machine
 from .measure import WARMUP_BATCHES
+from .shuffle_quality import quality_lines
 
 MIN_BATCHES = 20  # batches per epoch under which rates are too short to time
 SAMPLE_DATA = "python scripts/make_sample_data.py bench-data --per-class 600"  # 5 classes: 3,000 images
@@ -97,6 +98,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     parts += [f"- {line}" for line in limits_lines(results)]
     if results.get("conversions"):
         parts += ["", "## Conversion", ""] + [f"- {line}" for line in conversion_lines(results)]
+    if results.get("shuffle_quality"):
+        quality = results["shuffle_quality"]
+        parts += ["", "## Shuffle quality", ""] + quality_lines(quality["rows"], quality["batch_size"])
     parts += ["", "## Notes", ""] + [f"- {note}" for note in results.get("notes", [])]
     return "\n".join(parts) + "\n"
 
@@ -119,6 +123,9 @@ def render_text(results: dict[str, Any]) -> str:
     parts = [f"machine: {describe_machine(results['machine'])}", "", format_table(results["rows"]), ""]
     parts += limits_lines(results)
     parts += conversion_lines(results)
+    if results.get("shuffle_quality"):
+        quality = results["shuffle_quality"]
+        parts += quality_lines(quality["rows"], quality["batch_size"])
     if results.get("load_average"):
         parts.append(describe_load(results["load_average"]))
     parts += results.get("notes", [])

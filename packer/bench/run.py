@@ -23,6 +23,7 @@ from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
 from .report import batches_per_epoch, figure_warnings, notes, write_outputs
+from .shuffle_quality import measure_shuffle_quality
 from .targets import Size, Variant, existing_conversion, folder_target, pack_target, packed_target, parse_variant
 
 DEFAULT_OUT = "bench-out"
@@ -144,6 +145,7 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
                 rows += measure(target, settings, expected, bar, before_run=ceiling_round)
     finally:
         bar.close()
+    quality = measure_shuffle_quality(src, work, settings["batch_size"], progress)
     add_speedups(rows)
     if limit_info:
         add_ceilings(rows, everything, limit_info)
@@ -151,5 +153,6 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
             "machine": machine, "settings": settings, "source": {"root": str(src.resolve()), "images": folder.count,
                                                                  "bytes": folder.bytes_on_disk},
             "output": {"shape": list(expected[:3]), "dtype": expected[3]}, "limits": limit_info,
-            "conversions": conversions, "rows": rows, "notes": notes(settings, rows, machine),
+            "conversions": conversions, "rows": rows, "shuffle_quality": quality,
+            "notes": notes(settings, rows, machine),
             "batches_per_epoch": batches_per_epoch(settings, folder.count)}

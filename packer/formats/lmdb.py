@@ -104,7 +104,7 @@ def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sam
 class LmdbWriter(Writer):
     RESUMES_FROM = "its last committed transaction"
     FILES = ("data.mdb", "lock.mdb")
-    COMMIT_BYTES = 256 << 20
+    COMMIT_BYTES = 64 << 20  # the pending records and the transaction's dirty pages: twice this at a commit
     COMMIT_SAMPLES = 2000
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):

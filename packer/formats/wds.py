@@ -126,6 +126,7 @@ class WdsWriter(Writer):
         info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), 0, 0o644, 0, 0, "", ""
         start = self.tar.offset + tarfile.BLOCKSIZE
         self.tar.addfile(info, io.BytesIO(data))
+        self.tar.members.clear()  # tarfile keeps every member's TarInfo: a shard of tiny images holds millions
         return start
 
     def _size_after(self, *member_sizes: int) -> int:
