@@ -112,12 +112,15 @@ class LmdbWriter(Writer):
         # PACKER_LMDB_MAP_BYTES starts from a smaller map, so that tests reach the map growth in _commit
         map_size = (int(os.environ.get("PACKER_LMDB_MAP_BYTES", 0))
                     or max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5)))
-        self.env = lmdb.open(str(dest), map_size=map_size, subdir=True, meminit=False, sync=False,
-                             metasync=False, map_async=False, readahead=False, max_dbs=0)
+        self.env = self._open_env(map_size)
         # commits are the points a conversion can resume from; PACKER_COMMIT_SAMPLES makes them denser (tests)
         self.commit_samples = int(os.environ.get("PACKER_COMMIT_SAMPLES", self.COMMIT_SAMPLES))
         self.pending: list[tuple[bytes, bytes]] = []
         self.pending_bytes = 0
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        return lmdb.open(str(self.dest), map_size=map_size, subdir=True, meminit=False, sync=False, metasync=False,
+                         map_async=False, readahead=False, max_dbs=0)
 
     def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
         value = pack_record(label, relpath, item, tuple(extras) if self.extra_fields else None)
@@ -127,6 +130,11 @@ class LmdbWriter(Writer):
         if len(self.pending) >= self.commit_samples or self.pending_bytes >= self.COMMIT_BYTES:
             self._commit()
             self.env.sync(True)  # the journal may only count what is on disk
+            # the map's pages the transactions touched stay in this process's RSS while it is mapped (they are
+            # the whole file by the end): a fresh map after each commit keeps the writer's memory flat
+            map_size = self.env.info()["map_size"]
+            self.env.close()
+            self.env = self._open_env(map_size)
             return self.count
         return None
 
