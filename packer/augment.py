@@ -209,3 +209,31 @@ def write_image(img: Image.Image | np.ndarray, flipped: bool, out: np.ndarray | 
     pixel = f"V{arr.shape[2] * arr.itemsize}"
     np.copyto(out.view(pixel)[..., 0], arr.view(pixel)[..., 0][:, ::-1])
     return out
+
+
+def nearest_indices(start: float, extent: float, count: int, limit: int) -> np.ndarray:
+    """The stored pixel under the centre of each of ``count`` output pixels spread over ``[start, start +
+    extent)``: ``floor(start + (i + 0.5) * extent / count)``, clipped to ``[0, limit)`` (torch's
+    ``nearest-exact``). Integer bounds, the random resized crop's, are computed exactly in integers."""
+    i = np.arange(count, dtype=np.int64)
+    if float(start).is_integer() and float(extent).is_integer():
+        found = int(start) + (2 * i + 1) * int(extent) // (2 * count)
+    else:
+        found = np.floor(start + (i + 0.5) * (extent / count)).astype(np.int64)
+    return np.clip(found, 0, limit - 1)
+
+
+def nearest_box(mask: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+                flipped: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """The region ``box`` (left, top, right, bottom, in ``mask``'s pixels) of a (H, W) label mask resampled to
+    ``size`` (height, width) by nearest neighbour (:func:`nearest_indices`), mirrored left-right when ``flipped``:
+    every output value is a stored value. Written into ``out`` when given."""
+    rows = nearest_indices(box[1], box[3] - box[1], size[0], mask.shape[0])
+    cols = nearest_indices(box[0], box[2] - box[0], size[1], mask.shape[1])
+    if flipped:
+        cols = cols[::-1]
+    picked = mask.take(rows, axis=0).take(cols, axis=1)
+    if out is None:
+        return picked
+    out[...] = picked
+    return out

@@ -185,10 +185,15 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
 @handle_errors
 def export(dest, out, overwrite, quiet) -> None:
     """Write the packed dataset DEST out as an image folder OUT/<class>/...: the stored bytes (the original files
-    when stored original), raw pixels as lossless PNG."""
+    when stored original), raw pixels as lossless PNG. A dataset with fields: its images and OUT/annotations.csv,
+    which packs back to the same samples."""
     from .exporter import export as run_export
 
     result = run_export(dest, out, overwrite=overwrite, progress=not quiet)
+    if "table" in result:
+        click.echo(f"{out}: {result['count']} samples, their images and {result['table']}; pack it back with: "
+                   f"{result['command']}")
+        return
     renamed = f" ({result['renamed']} renamed to match their encoding)" if result["renamed"] else ""
     click.echo(f"{out}: {result['count']} images in {result['classes']} class folders{renamed}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -21,6 +21,9 @@ from torch.utils.data import Dataset
 
 from .buffers import BatchPool, empty_batch
 from .decoding import Decoding
+from .fieldbatch import TORCH_DTYPES, FieldBatch, field_tensor
+from .fieldread import FieldDecoder, select_fields
+from .fields import Field, is_pair_schema, schema_of
 from .formats import PartedReader, Reader, open_reader
 from .formats.base import Sample
 from .formats.hdf5 import Hdf5Reader
@@ -66,6 +69,9 @@ class PackedDataset(Decoding, Dataset):
             (see :meth:`augment_params`); it replaces ``resize``/``center_crop``.
         flip: mirror left-right with probability 0.5, drawn from the same ``(seed, epoch, index)`` stream.
         seed: the augmentation seed (not the sample order's: that is the sampler's).
+        fields: the fields to give, by name, as a tuple in that order (``("image", "caption")``); default:
+            ``(image, label)`` for an image-and-class dataset, else a dict of every field (:attr:`fields`).
+            Every image and mask field of a sample gets the image's read-time geometry and augmentation.
         **options: the reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
 
     Nothing that cannot cross a fork or a pickle is opened in ``__init__``: each process opens its own handles
@@ -81,7 +87,8 @@ class PackedDataset(Decoding, Dataset):
 
     def __init__(self, root: str | os.PathLike | Reader, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
-                 threads: int = 1, manifest: dict | None = None, **options: Any):
+                 threads: int = 1, manifest: dict | None = None, fields: Sequence[str] | str | None = None,
+                 **options: Any):
         decoding = {k: options.pop(k) for k in list(options) if k in _DECODING_ARGS}
         if isinstance(root, Reader):
             if manifest is not None or options:
@@ -104,6 +111,21 @@ class PackedDataset(Decoding, Dataset):
         self._executors: dict[int, ThreadPoolExecutor] = {}  # by thread count, this process's
         self._executors_pid: int | None = None
         self._batches = BatchPool()  # main-process batch arrays, reused once nothing refers to them
+        self.schema: list[Field] = list(getattr(reader, "schema", None) or schema_of(reader.manifest))
+        selected = select_fields(self.schema, fields)
+        self._pair = fields is None and is_pair_schema(self.schema)  # ds[i] is (image, label), as always
+        self._as_dict = fields is None
+        self._fields = FieldDecoder(self, self.schema, selected)
+
+    @property
+    def fields(self) -> list[Field]:
+        """The dataset's schema: every field (name, kind, shape) in stored order."""
+        return list(self.schema)
+
+    @property
+    def selected_fields(self) -> list[Field]:
+        """The fields ``ds[i]`` and the batches give, in order."""
+        return list(self._fields.selected)
 
     @property
     def format(self) -> str:
@@ -177,6 +199,9 @@ class PackedDataset(Decoding, Dataset):
         epoch = getattr(index, "epoch", self.epoch)  # before normalising: index % n drops it
         index = self.reader.check_index(index)
         self.reader.open()
+        if not self._pair:
+            raw = self.reader.read_fields(index, self.verify) if self._fields.needs_fields else {}
+            return self._item(index, self._verified(index, self.reader.read(index)), raw, epoch)
         sample = self._verified(index, self.reader.read(index))
         arr = self.decode_array(index, sample, epoch=epoch)
         image = torch.from_numpy(np.array(arr) if not arr.flags.writeable else arr).permute(2, 0, 1)
@@ -204,6 +229,8 @@ class PackedDataset(Decoding, Dataset):
         if not self.decode:
             return [self.raw_sample(i) for i in indices]
         threads = self.threads if threads is None else threads
+        if not self._pair:
+            return self._read_fields_batch(indices, threads, pin_memory)
         shape = self.output_shape()
         if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
             return self._read_varying(indices, threads)
@@ -243,6 +270,131 @@ class PackedDataset(Decoding, Dataset):
             self._parallel(fill, list(range(len(indices))), 1 if copies_only else threads)
             labels = [s.label for s in samples]
         return labels
+
+    # -- fields (datasets beyond image + class, or fields=) ----------------------------------------------------
+    def _package(self, values: dict[str, Any]) -> Any:
+        """The selected values as a dict (no ``fields=``) or a tuple in the order asked, with the transform on
+        the image and the target_transform on the label."""
+        if self.transform is not None and "image" in values:
+            values["image"] = self.transform(values["image"])
+        label = self._fields.label_name
+        if self.target_transform is not None and label in values:
+            values[label] = self.target_transform(values[label])
+        return values if self._as_dict else tuple(values.values())
+
+    def _item(self, index: int, sample: Sample, raw: dict, epoch: int) -> Any:
+        """``ds[index]`` of a dataset with fields, from its stored sample and raw field bytes."""
+        values = self._fields.sample_values(index, sample, raw, epoch)
+        by_name = {f.name: f for f in self._fields.selected}
+        return self._package({name: field_tensor(by_name[name], v) for name, v in values.items()})
+
+    def batch_layout(self) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
+        """The batch tensors one batch row of this dataset fills, ``(name, row shape, dtype)``: the images
+        (H, W, C), and each image or mask field selected; None when images vary in size."""
+        shape = self.output_shape()
+        if shape is None:
+            return None
+        layout = [("image", tuple(shape), self.output_dtype())] if self._pair or self._fields.image else []
+        for field in self._fields.dense:
+            dtype = TORCH_DTYPES[self._fields.row_dtype(field, np.dtype(np.uint8))]
+            layout.append((field.name, self._fields.row_shape(field, shape), dtype))
+        return layout
+
+    def decode_rows(self, indices: list[int], outs: dict[str, np.ndarray], threads: int = 1
+                    ) -> tuple[list[int], dict[str, list]]:
+        """Decode a batch of a dataset with fields: each dense field into the rows of its array in ``outs``
+        (:meth:`batch_layout`), the rest into lists. What :meth:`read_batch` and packer's worker processes run.
+
+        Returns:
+            The labels, and the values of the fields that are not dense, by name (one list each).
+        """
+        reader, fields = self.reader, self._fields
+        indices, epochs = self._batch_indices(indices)
+        samples = reader.read_many(indices)
+        raws = reader.read_fields_many(indices, self.verify) if fields.needs_fields else [{}] * len(indices)
+        values: dict[str, list] = {f.name: [None] * len(indices) for f in fields.selected if f.name not in outs}
+        decode_row = self.row_decoder() if fields.image else None
+
+        def fill(j: int) -> None:
+            index = indices[j]
+            row = fields.sample_values(index, self._verified(index, samples[j]), raws[j], epochs[j],
+                                       {name: out[j] for name, out in outs.items()}, decode_row)
+            for name, column in values.items():
+                column[j] = row[name]
+
+        self._parallel(fill, list(range(len(indices))), threads)
+        return [s.label for s in samples], values
+
+    def field_batch(self, tensors: dict[str, torch.Tensor], labels: list[int], values: dict[str, list]) -> Any:
+        """The batch of a dataset with fields: dense fields as their batch tensors (images NCHW), the label and
+        fixed-shape numbers stacked, text, JSON, bytes and variable-length vectors as lists; a dict, or a tuple
+        in the ``fields=`` order."""
+        fields = self._fields
+        batch: dict[str, Any] = {}
+        for field in fields.selected:
+            name = field.name
+            if name in tensors:
+                t = tensors[name]
+                batch[name] = t.permute(0, 3, 1, 2) if t.dim() == 4 else t
+            elif name == fields.label_name:
+                batch[name] = torch.as_tensor(labels, dtype=torch.int64)
+            elif field.kind in ("int64", "float32") and field.shape is not None:
+                dtype = "<i8" if field.kind == "int64" else "<f4"
+                batch[name] = torch.from_numpy(np.stack([np.asarray(v, dtype) for v in values[name]])
+                                               if values[name] else np.zeros((0, *field.shape), dtype))
+            elif field.kind in ("int64", "float32"):
+                batch[name] = [field_tensor(field, v) for v in values[name]]
+            else:
+                batch[name] = values[name]
+        return batch if self._as_dict else tuple(batch.values())
+
+    def decode_slot(self, indices: list[int], arrays: list[np.ndarray]) -> Any:
+        """What a worker process runs: decode a batch into the arrays of its shared-memory slot, one per
+        :meth:`batch_layout` entry; returns what :meth:`slot_batch` makes the batch with (the labels, and for a
+        dataset with fields the other values)."""
+        if self._pair:
+            return self.decode_into(indices, arrays[0])
+        return self.decode_rows(indices, {name: a for (name, _, _), a in zip(self.batch_layout(), arrays,
+                                                                              strict=True)})
+
+    def slot_batch(self, tensors: list[torch.Tensor], result: Any) -> Any:
+        """The batch from a slot's tensors (:meth:`batch_layout`, (B, ...) each) and a worker's result
+        (:meth:`decode_slot`): ``(images, labels)``, or the batch of a dataset with fields."""
+        if self._pair:
+            return tensors[0].permute(0, 3, 1, 2), torch.as_tensor(result, dtype=torch.int64)
+        names = [name for name, _, _ in self.batch_layout()]
+        return self.field_batch(dict(zip(names, tensors, strict=True)), *result)
+
+    def _read_fields_batch(self, indices: list[int], threads: int, pin_memory: bool) -> list:
+        layout = self.batch_layout()
+        if layout is None or self.transform is not None or self.target_transform is not None:
+            return self._read_field_items(indices, threads)
+        n = len(indices)
+        tensors = {name: empty_batch((n, *row), dtype, pin_memory, self._batches) for name, row, dtype in layout}
+        labels, values = self.decode_rows(indices, {k: t.numpy() for k, t in tensors.items()}, threads)
+        collated = self.field_batch(tensors, labels, values)
+        named = collated if self._as_dict else dict(zip([f.name for f in self._fields.selected], collated,
+                                                        strict=True))
+        items = [{name: column[j] for name, column in named.items()} for j in range(n)]
+        result = FieldBatch(items if self._as_dict else [tuple(item.values()) for item in items])
+        result.collated = collated
+        return result
+
+    def _read_field_items(self, indices: list[int], threads: int) -> list:
+        """Each sample on its own (images of varying size, or a per-item transform), decoded on the threads."""
+        reader = self.reader
+        indices, epochs = self._batch_indices(indices)
+        samples = reader.read_many(indices)
+        raws = reader.read_fields_many(indices, self.verify) if self._fields.needs_fields else [{}] * len(indices)
+        items: list = [None] * len(indices)
+
+        def one(j: int) -> None:
+            items[j] = self._item(indices[j], self._verified(indices[j], samples[j]), raws[j], epochs[j])
+
+        self._parallel(one, list(range(len(indices))), threads)
+        result = FieldBatch(items)
+        result.fields = self._fields.selected
+        return result
 
     def output_dtype(self) -> torch.dtype:
         """The dtype of the images this dataset gives: uint8, or the float type it was packed with."""

@@ -113,11 +113,14 @@ def part_problems(part: Path) -> list[str]:
     return [f"it also holds {name_some(unexpected)}"] if unexpected else []
 
 
-def export_problems(out: Path, images: Callable[[str], bool]) -> list[str]:
+def export_problems(out: Path, images: Callable[[str], bool], files: tuple[str, ...] = ()) -> list[str]:
     """Why the non-empty folder ``out`` is not a previous export: only class folders holding (in any
-    sub-folder) files for which ``images(name)`` is true. [] if it is one."""
+    sub-folder) files for which ``images(name)`` is true, and the top-level ``files`` (a table). [] if it is
+    one."""
     unexpected = []
     for entry in sorted(os.listdir(out)):
+        if entry in files and is_regular_file(out / entry):
+            continue
         if not _is_dir(out / entry):
             unexpected.append(entry)
             continue

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from .dataset import PackedBatch, PackedDataset
 from .errors import PackerError
+from .fieldbatch import FieldBatch
 from .sampler import EpochPass, ResumableSampler
 from .system import cores_per_rank, die_with_parent
 from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
@@ -53,9 +54,12 @@ TUNED = "loader.json"
 
 
 def collate(batch: list) -> Any:
-    """Return a :class:`PackedBatch`'s tensors as they are; anything else goes to ``default_collate``."""
+    """Return a :class:`PackedBatch`'s tensors (a :class:`FieldBatch`'s whole batch) as they are; anything else
+    goes to ``default_collate``, with a sample's text, JSON, bytes and variable-length vectors kept as lists."""
     if isinstance(batch, PackedBatch):
         return batch.images, batch.labels
+    if isinstance(batch, FieldBatch):
+        return batch.collate()
     first = batch[0] if batch else None
     if isinstance(first, (tuple, list)) and first and isinstance(first[0], torch.Tensor):
         sizes = sorted({tuple(item[0].shape) for item in batch})
@@ -316,7 +320,7 @@ def _whole_batches(dataset: PackedDataset) -> bool:
     """Whether the dataset's batches are what a worker pool can make: decoded images of one shape, with no
     per-item transform (those need the pairs ``read_batch`` returns)."""
     return (dataset.transform is None and dataset.target_transform is None and dataset.decode
-            and dataset.output_shape() is not None)
+            and dataset.batch_layout() is not None)
 
 
 def _pool_serves(dataset: PackedDataset, settings: dict[str, Any]) -> bool:
@@ -427,7 +431,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
 
 
 class DeviceLoader:
-    """Iterates a loader and moves each ``(images, labels)`` batch to ``device``.
+    """Iterates a loader and moves each ``(images, labels)`` batch to ``device``; a dataset with fields' batch
+    too (a dict, or a ``fields=`` tuple): every tensor moves, text, JSON and bytes stay as they are, and
+    ``normalize`` applies to the dict's ``"image"``, or a tuple's first entry.
 
     On CUDA the copy of batch n+1 (pinned memory, ``non_blocking=True``) and its conversion run on a side stream
     while batch n is used; on the CPU it converts in place of the copy. With ``normalize=(mean, std)`` images
@@ -454,11 +460,34 @@ class DeviceLoader:
         mean, std = self._stats[self.device]
         return images.to(self.dtype).sub_(mean).div_(std)
 
+    def _to(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):  # variable-length vectors
+            return [v.to(self.device, non_blocking=True) for v in value]
+        return value  # text, JSON, bytes stay on the host
+
     def _move(self, batch):
-        images, labels = batch
-        images = images.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
-        return self._convert(images), labels
+        if isinstance(batch, dict):  # a dataset with fields: the "image" entry is converted
+            moved = {key: self._to(value) for key, value in batch.items()}
+            if isinstance(moved.get("image"), torch.Tensor):
+                moved["image"] = self._convert(moved["image"])
+            return moved
+        moved = [self._to(value) for value in batch]  # (images, labels), or the fields= tuple: the first entry
+        if moved and isinstance(moved[0], torch.Tensor):
+            moved[0] = self._convert(moved[0])
+        return tuple(moved)
+
+    @staticmethod
+    def _tensors(batch) -> list[torch.Tensor]:
+        values = batch.values() if isinstance(batch, dict) else batch
+        found = []
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, list):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+        return found
 
     def __iter__(self):
         if self.device.type != "cuda":
@@ -474,7 +503,7 @@ class DeviceLoader:
             if ready is not None:
                 yield ready
             current.wait_stream(stream)
-            for t in nxt:
+            for t in self._tensors(nxt):
                 t.record_stream(current)
             ready = nxt
         if ready is not None:

@@ -61,7 +61,7 @@ def convert_mask(path: str, name: str, spec: TransformSpec, pixels: str, image_s
     if (array.shape[1], array.shape[0]) != tuple(image_size):
         raise ImageError(name, f"mask is {array.shape[1]}x{array.shape[0]}, its image {image_size[0]}x"
                                f"{image_size[1]}; a mask must have its image's size")
-    img = Image.fromarray(array, "L" if pixels == "uint8" else "I;16")
+    img = Image.fromarray(array)  # L for uint8, I;16 for uint16 (Pillow 13 refuses the mode given with uint16)
     img = apply_geometry(img, spec.resize, spec.max_size, spec.center_crop, "nearest")
     buf = io.BytesIO()
     img.save(buf, "PNG")

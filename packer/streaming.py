@@ -13,7 +13,7 @@ import io
 import math
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .errors import CorruptDataError, PackerError
+from .fieldbatch import collate_column, field_tensor
+from .fieldread import select_fields
+from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
+from .fields import decode as decode_value
 from .formats.wds import IMAGE_EXTS
+from .formats.wds_members import stored_bytes
 from .manifest import read_manifest
+from .masks import decode_mask
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
 from .sampler import STATE_VERSION, distributed_rank_world
@@ -34,9 +40,11 @@ from .transforms import decode
 _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
 
 
-def shard_samples(shard: Path | RemoteFile) -> Iterator[tuple[str, bytes, str, int]]:
-    """``(key, image bytes, image extension, label)`` of each sample of a shard, read sequentially (a remote
-    shard from its cached copy, held only while it is read)."""
+def shard_samples(shard: Path | RemoteFile, extras: Sequence[Field] = ()
+                  ) -> Iterator[tuple[str, bytes, str, int, dict[str, bytes]]]:
+    """``(key, image bytes, image extension, label, {field: stored bytes})`` of each sample of a shard, read
+    sequentially (a remote shard from its cached copy, held only while it is read); the bytes of the
+    ``extras`` fields are their members' (:func:`packer.formats.wds.field_member`)."""
     key, members = None, {}
     path = shard  # what messages name: the file, or the remote shard's URL
     try:
@@ -46,21 +54,37 @@ def shard_samples(shard: Path | RemoteFile) -> Iterator[tuple[str, bytes, str, i
                     continue
                 name, ext = member.name.split(".", 1)
                 if name != key and key is not None:
-                    yield sample_of(path, key, members)
+                    yield sample_of(path, key, members, extras)
                     members = {}
                 key = name
                 members[ext.lower()] = tar.extractfile(member).read()
     except (OSError, tarfile.TarError) as exc:
         raise PackerError(f"{path}: damaged tar shard ({exc}); run `packer verify`") from None
     if key is not None:
-        yield sample_of(path, key, members)
+        yield sample_of(path, key, members, extras)
 
 
-def sample_of(path: Path, key: str, members: dict[str, bytes]) -> tuple[str, bytes, str, int]:
+def sample_of(path: Path, key: str, members: dict[str, bytes], extras: Sequence[Field] = ()
+              ) -> tuple[str, bytes, str, int, dict[str, bytes]]:
     ext = next((e for e in IMAGE_EXTS if e in members), None)
-    if ext is None or "cls" not in members:
+    if ext is None or ("cls" not in members and not extras):
         raise PackerError(f"{path}: sample {key} has no image or no .cls label; run `packer verify`")
-    return key, members[ext], ext, int(members["cls"])
+    values = {}
+    for field in extras:
+        member = field_member(field, members)
+        if member is None:
+            raise PackerError(f"{path}: sample {key} has no member for field {field.name!r}; run `packer verify`")
+        values[field.name] = stored_bytes(field, members[member], f"{path} sample {key}")
+    label = int(members["cls"]) if "cls" in members else -1
+    return key, members[ext], ext, label, values
+
+
+def field_member(field: Field, members: dict[str, bytes]) -> str | None:
+    """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
+    a field named as its extension (:func:`packer.formats.wds.member_suffix`)."""
+    if field.name in members:
+        return field.name
+    return next((m for m in members if m.startswith(field.name + ".")), None)
 
 
 def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -125,8 +149,17 @@ class ShardStreams(IterableDataset):
     ``skip[s]`` batches of stream ``s`` are replayed without decoding. The first worker runs stream ``first``,
     so that a resumed epoch hands the streams' batches out in the uninterrupted epoch's turn."""
 
-    def __init__(self, settings: dict[str, Any], mode: str, buffer: int):
+    def __init__(self, settings: dict[str, Any], mode: str, buffer: int, schema: list[Field] | None = None,
+                 fields: Sequence[str] | str | None = None):
         self.settings, self.mode, self.buffer = settings, mode, buffer
+        self.schema = schema or schema_of({})
+        self.selected = select_fields(self.schema, fields)
+        self.pair = fields is None and is_pair_schema(self.schema)
+        self.as_dict = fields is None
+        names = {f.name for f in self.selected}
+        self.extras = [f for f in extra_fields(self.schema) if f.name in names]
+        label = label_field(self.schema)
+        self.label_name = label.name if label is not None else None
         self.plan: StreamPlan | None = None
         self.skip: list[int] = []
         self.first = 0
@@ -138,7 +171,7 @@ class ShardStreams(IterableDataset):
 
     def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, settings = self.plan, self.settings
-        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path))
+        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path, self.extras))
         if settings["shuffle"]:
             rng = np.random.default_rng([settings["seed"], plan.epoch, plan.rank, stream])
             samples = buffer_shuffled(samples, self.buffer, rng)
@@ -154,35 +187,65 @@ class ShardStreams(IterableDataset):
         if batch and not settings["drop_last"]:
             yield self._decode(batch)
 
-    def _decode(self, batch: list) -> tuple[torch.Tensor, torch.Tensor]:
-        arrays = []
-        for key, data, ext, _ in batch:
-            if ext == "npy":
-                try:
-                    arr = np.load(io.BytesIO(data), allow_pickle=False)  # never unpickles
-                except ValueError as exc:
-                    raise CorruptDataError(f"{key}: not a plain .npy array ({exc}); re-pack") from None
-                arrays.append(arr[..., None] if arr.ndim == 2 else arr)
-            else:
-                arrays.append(decode(data, self.mode, key))
+    def _decode(self, batch: list) -> Any:
+        if not self.pair:
+            return self._decode_fields(batch)
+        arrays = [self._image(key, data, ext) for key, data, ext, *_ in batch]
         shapes = sorted({a.shape for a in arrays})
         if len(shapes) > 1:
             raise PackerError(f"images in one batch differ in size ({', '.join(map(str, shapes[:3]))}); "
                               "packer.stream needs one size: pack with --resize and --center-crop, or read with "
                               "packer.open_dataset(resize=, center_crop=) and packer.make_loader")
         images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
-        return images, torch.tensor([label for *_, label in batch], dtype=torch.int64)
+        return images, torch.tensor([sample[3] for sample in batch], dtype=torch.int64)
+
+    def _image(self, key: str, data: bytes, ext: str) -> np.ndarray:
+        """A sample's image, (H, W, C)."""
+        if ext == "npy":
+            try:
+                arr = np.load(io.BytesIO(data), allow_pickle=False)  # never unpickles
+            except ValueError as exc:
+                raise CorruptDataError(f"{key}: not a plain .npy array ({exc}); re-pack") from None
+            return arr[..., None] if arr.ndim == 2 else arr
+        return decode(data, self.mode, key)
+
+    def _decode_fields(self, batch: list) -> Any:
+        """A batch of a dataset with fields (or ``fields=``): as :func:`packer.make_loader` gives it, a dict or
+        a tuple in the ``fields=`` order, with fixed-shape values stacked and the rest as lists."""
+        columns: dict[str, list] = {f.name: [] for f in self.selected}
+        by_name = {f.name: f for f in self.selected}
+        for key, data, ext, label, values in batch:
+            for name, column in columns.items():
+                if name == "image":
+                    column.append(field_tensor(by_name[name], self._image(key, data, ext)))
+                elif name == self.label_name:
+                    column.append(label)
+                else:
+                    field = by_name[name]
+                    column.append(field_tensor(field, self._value(key, field, values[name])))
+        collated = {name: collate_column(column, by_name[name]) for name, column in columns.items()}
+        return collated if self.as_dict else tuple(collated.values())
+
+
+    def _value(self, key: str, field: Field, data: bytes) -> Any:
+        """A field's stored bytes decoded: masks and images to arrays, the rest by :func:`packer.fields.decode`."""
+        if field.kind == "mask":
+            return decode_mask(data, f"{key} field {field.name!r}", field.pixels or "uint8")
+        if field.kind == "image":
+            return decode(data, self.mode, f"{key} field {field.name!r}")
+        return decode_value(field, data)
 
 
 class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
     at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
 
-    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], settings: dict[str, Any], mode: str, buffer: int):
+    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], settings: dict[str, Any], mode: str, buffer: int,
+                 schema: list[Field] | None = None, fields: Sequence[str] | str | None = None):
         self.shards = shards
         self.rank, self.world = distributed_rank_world()
         self.settings = dict(settings, world_size=self.world)
-        self.dataset = ShardStreams(self.settings, mode, buffer)
+        self.dataset = ShardStreams(self.settings, mode, buffer, schema, fields)
         self.epoch, self.resume_at = 0, 0
         self._received: tuple[StreamPlan, int, list[int]] | None = None  # the pass, its start, batches handed out
 
@@ -253,8 +316,11 @@ class StreamLoader:
 def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
            seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000,
            storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
-           cache_limit: int | str | None = None, cache: bool = True) -> StreamLoader:
-    """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW).
+           cache_limit: int | str | None = None, cache: bool = True,
+           fields: Sequence[str] | str | None = None) -> StreamLoader:
+    """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW); a
+    dataset with other fields gives dict batches as :func:`packer.make_loader` does (images and masks stacked,
+    numbers stacked, text, JSON and variable-length vectors as lists), and ``fields=`` a tuple in that order.
 
     Every sample comes once per epoch on one rank; shards are reshuffled every epoch and samples mixed through a
     shuffle buffer. Under ``torch.distributed`` each rank reads its own shards, and every rank stops after the
@@ -273,6 +339,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
             may be below the dataset's size (it must hold one shard per worker).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
+        fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
 
     Returns:
         A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
@@ -291,4 +358,4 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     workers = usable_cores() if num_workers is None else num_workers
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
-    return StreamLoader(shards, settings, mode, buffer)
+    return StreamLoader(shards, settings, mode, buffer, schema_of(manifest), fields)

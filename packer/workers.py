@@ -13,7 +13,9 @@ Messages, over one duplex pipe per worker:
 
 - main to worker: ``("batch", key, slot_id, shared_tensor or None, indices)``, the tensor the first time this
   worker gets that slot; ``("forget", slot_id)``; ``None`` to stop;
-- worker to main: ``(key, labels, None)``, or ``(key, None, exception)`` when the batch failed.
+- worker to main: ``(key, result, None)``, or ``(key, None, exception)`` when the batch failed; the result is
+  the labels (and, for a dataset with fields, the values of those that are not dense:
+  :meth:`~packer.dataset.PackedDataset.decode_slot`).
 """
 
 from __future__ import annotations
@@ -42,53 +44,69 @@ from .system import close_fds, die_with_parent
 class SharedSlots:
     """Batch memory in shared memory, each slot reused once no tensor refers to it (as in BatchPool: a tensor
     from ``torch.from_numpy`` holds its array for as long as its storage lives), each with the id workers know
-    it by. At most ``keep`` unreferenced slots are kept."""
+    it by. A slot is one array per entry of ``layout`` (``(row shape, dtype)``: the images, and each mask or
+    second image of a dataset with fields), free once none of them is referred to. At most ``keep``
+    unreferenced slots are kept."""
 
-    # the dict's reference, the local variable and getrefcount's own argument: a slot no tensor holds
+    # the slot's tuple, the loop variable and getrefcount's own argument: an array no tensor holds
     _UNREFERENCED = 3
 
-    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, rows: int, keep: int):
-        self.row_shape = tuple(row_shape)
-        self.dtype = dtype
+    def __init__(self, layout: list[tuple[tuple[int, ...], torch.dtype]], rows: int, keep: int):
+        self.layout = [(tuple(shape), dtype) for shape, dtype in layout]
         self.rows = rows
         self.keep = keep
-        self._arrays: dict[int, np.ndarray] = {}
-        self._shared: dict[int, torch.Tensor] = {}  # the tensor each slot is sent to a worker as
+        self._arrays: dict[int, tuple[np.ndarray, ...]] = {}
+        self._shared: dict[int, tuple[torch.Tensor, ...]] = {}  # the tensors each slot is sent to a worker as
+        self._rows_of: dict[int, int] = {}
         self._ids = itertools.count()
 
-    def take(self, rows: int) -> tuple[int, np.ndarray, list[int]]:
+    def _free(self, slot_id: int) -> bool:
+        """Whether nothing refers to the slot: not its tuple (a batch in flight holds it), nor any array."""
+        if sys.getrefcount(self._arrays[slot_id]) != 2:  # the dict's reference and getrefcount's argument
+            return False
+        for array in self._arrays[slot_id]:
+            if sys.getrefcount(array) != self._UNREFERENCED:
+                return False
+        return True
+
+    def take(self, rows: int) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
         """A slot of at least ``rows`` rows that nothing refers to, a new one if none is free.
 
         Returns:
-            The slot's id, its array, and the ids of slots dropped meanwhile (free ones beyond ``keep``).
+            The slot's id, its arrays, and the ids of slots dropped meanwhile (free ones beyond ``keep``).
         """
         found = None
         free = []
-        for slot_id in self._arrays:  # not .items(): its reused tuple would hold the array too
-            array = self._arrays[slot_id]
-            if sys.getrefcount(array) == self._UNREFERENCED:
+        for slot_id in self._arrays:
+            if self._free(slot_id):
                 free.append(slot_id)
-                if found is None and array.shape[0] >= rows:
+                if found is None and self._rows(slot_id) >= rows:
                     found = slot_id
         dropped = [s for s in free if s != found][: max(0, len(self._arrays) - self.keep)]
         for slot_id in dropped:
-            del self._arrays[slot_id], self._shared[slot_id]
+            del self._arrays[slot_id], self._shared[slot_id], self._rows_of[slot_id]
         if found is None:
             found = next(self._ids)
-            shape = (max(rows, self.rows), *self.row_shape)
-            try:
-                shared = shared_tensor(shape, self.dtype)
-            except RuntimeError:  # torch reserves the pages up front: a full /dev/shm fails here, not by SIGBUS
-                free, size = shared_memory_free(), tensor_bytes(shape, self.dtype)
-                raise PackerError(f"no room in /dev/shm for a batch of {size / 2**20:.1f} MiB "
-                                  f"({'?' if free is None else f'{free / 2**20:.1f}'} MiB free): give the "
-                                  "container more (docker run --shm-size=2g), or pass num_workers=0") from None
-            self._shared[found] = shared
-            self._arrays[found] = shared.numpy()
+            shared = []
+            for row_shape, dtype in self.layout:
+                shape = (max(rows, self.rows), *row_shape)
+                try:
+                    shared.append(shared_tensor(shape, dtype))
+                except RuntimeError:  # torch reserves the pages up front: a full /dev/shm fails here, not by SIGBUS
+                    free_bytes, size = shared_memory_free(), tensor_bytes(shape, dtype)
+                    raise PackerError(f"no room in /dev/shm for a batch of {size / 2**20:.1f} MiB "
+                                      f"({'?' if free_bytes is None else f'{free_bytes / 2**20:.1f}'} MiB free): give "
+                                      "the container more (docker run --shm-size=2g), or pass num_workers=0") from None
+            self._shared[found] = tuple(shared)
+            self._arrays[found] = tuple(t.numpy() for t in shared)
+            self._rows_of[found] = max(rows, self.rows)
         return found, self._arrays[found], dropped
 
-    def shared(self, slot_id: int) -> torch.Tensor:
-        """The shared tensor of a slot, to send to a worker."""
+    def _rows(self, slot_id: int) -> int:
+        return self._rows_of[slot_id]
+
+    def shared(self, slot_id: int) -> tuple[torch.Tensor, ...]:
+        """The shared tensors of a slot, to send to a worker."""
         return self._shared[slot_id]
 
     def __len__(self) -> int:
@@ -110,8 +128,8 @@ def default_start_method() -> str:
 
 
 def slot_bytes(dataset: Any, batch_size: int) -> int:
-    """Bytes of one batch of ``dataset``'s images."""
-    return tensor_bytes((batch_size, *dataset.output_shape()), dataset.output_dtype())
+    """Bytes of one batch of ``dataset``'s images (and its masks and second images)."""
+    return sum(tensor_bytes((batch_size, *shape), dtype) for _, shape, dtype in dataset.batch_layout())
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -149,10 +167,10 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
             continue
         _, key, slot_id, shared, indices = message
         if shared is not None:
-            slots[slot_id] = shared.numpy()
+            slots[slot_id] = tuple(t.numpy() for t in shared)
         try:
-            labels = dataset.decode_into(indices, slots[slot_id][: len(indices)])
-            reply = (key, labels, None)
+            result = dataset.decode_slot(indices, [array[: len(indices)] for array in slots[slot_id]])
+            reply = (key, result, None)
         except Exception as exc:  # sent to the main process, raised there for this batch
             reply = (key, None, _sendable(exc))
         conn.send(reply)
@@ -201,12 +219,12 @@ class WorkerPool:
     def __init__(self, dataset: Any, workers: int, batch_size: int, prefetch_factor: int = 4,
                  context: Any = None, pin_memory: bool = False, copy_out: bool = False, timeout: float = 0,
                  seed: int | None = None):
-        shape = dataset.output_shape()
-        if shape is None:
+        layout = dataset.batch_layout()
+        if layout is None:
             raise ValueError("packer's worker pool needs images of one shape")
         self.dataset = dataset
         self.depth = workers * max(1, prefetch_factor)
-        self.slots = SharedSlots(shape, dataset.output_dtype(), batch_size, keep=self.depth + 4)
+        self.slots = SharedSlots([(shape, dtype) for _, shape, dtype in layout], batch_size, keep=self.depth + 4)
         self.pin_memory = pin_memory
         self.copy_out = copy_out or pin_memory
         self.timeout = timeout or None
@@ -318,9 +336,13 @@ class WorkerPool:
         raise PackerError(f"loader worker {worker} (pid {process.pid}) exited with code {process.exitcode} while "
                           f"reading {self.dataset.root}: {why}")
 
-    def _batch(self, array: np.ndarray, rows: int, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        images = torch.from_numpy(array[:rows])
-        if self.copy_out:
-            copy = torch.empty(images.shape, dtype=images.dtype, pin_memory=self.pin_memory)
-            images = copy.copy_(images)
-        return images.permute(0, 3, 1, 2), torch.as_tensor(labels, dtype=torch.int64)
+    def _batch(self, arrays: tuple[np.ndarray, ...], rows: int, result: Any) -> Any:
+        """The batch a worker's ``result`` and the slot's ``arrays`` make (:meth:`PackedDataset.slot_batch`)."""
+        tensors = []
+        for array in arrays:
+            tensor = torch.from_numpy(array[:rows])
+            if self.copy_out:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin_memory)
+                tensor = copy.copy_(tensor)
+            tensors.append(tensor)
+        return self.dataset.slot_batch(tensors, result)
