@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import importlib.util
 import json
 import math
@@ -59,6 +60,7 @@ MAX_SIZE = 256
 SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)  # packer's (and torchvision's) RandomResizedCrop defaults
 QUALITY = 90  # packer's default JPEG quality
 SEG, CAPTION = "image + mask", "image + caption"
+TARGETS = {SEG: 4.0, CAPTION: 1.0}  # issue 24: packer's rows over their pipeline's baseline
 
 
 # -- the data ---------------------------------------------------------------------------------------------------
@@ -71,10 +73,10 @@ def _mask_of() -> Callable[[Image.Image], np.ndarray]:
     return module.mask_of
 
 
-def photos(source: Path | None, data: Path, images: int, seed: int) -> list[Path]:
-    """``images`` JPEG photos: the first of ``source``, or of a set made once under ``data`` and reused."""
+def photos(source: Path | None, out: Path, images: int, seed: int) -> list[Path]:
+    """``images`` JPEG photos: the first of ``source``, or of a set made once under ``out`` and reused."""
     if source is None:
-        source = data / "photos"
+        source = out / f"photos-seed{seed}"
         have = sorted(source.rglob("*.jpg")) if source.is_dir() else []
         if len(have) < images:  # ~5% of the generated images are PNGs: make a tenth more
             per_class = math.ceil(images * 1.1 / 5) + 1
@@ -86,6 +88,13 @@ def photos(source: Path | None, data: Path, images: int, seed: int) -> list[Path
     if len(found) < images:
         sys.exit(f"{source}: {len(found)} JPEGs, --images asks for {images}; pass fewer --images")
     return found[:images]
+
+
+def work_folder(out: Path, files: list[Path]) -> Path:
+    """Where the masks, small copies, tables and packs of exactly these photos live (reused by a later run with
+    the same photos, never by one with others)."""
+    key = hashlib.sha1("\n".join(str(p) for p in files).encode()).hexdigest()[:10]
+    return out / f"set-{len(files)}-{key}"
 
 
 def make_tables(files: list[Path], data: Path) -> tuple[Path, Path, list[tuple[Path, Path]], list[tuple[Path, Path]]]:
@@ -293,6 +302,9 @@ def measure(rows: list[dict], repeats: int, epochs: int) -> None:
         base = next(r for r in group if r.get("baseline"))["images_per_s"]
         for row in group:
             row["ratio"] = row["images_per_s"] / base if base else None
+            if "format" in row:  # a packer row
+                row["target"] = TARGETS[pipeline]
+                row["target_met"] = row["ratio"] is not None and row["ratio"] >= TARGETS[pipeline]
 
 
 # -- the report --------------------------------------------------------------------------------------------------
@@ -312,6 +324,12 @@ def markdown(result: dict) -> str:
         for row in (r for r in result["rows"] if r["pipeline"] == pipeline):
             ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
             lines.append(f"| {row['name']} | {row['images_per_s']:,.0f} | {ratio} |")
+        packer_rows = [r for r in result["rows"] if r["pipeline"] == pipeline and "format" in r]
+        met = [r["format"] for r in packer_rows if r["target_met"]]
+        missed = [r["format"] for r in packer_rows if not r["target_met"]]
+        verdict = "; ".join(part for part in (f"met by {', '.join(met)}" if met else "",
+                                              f"not met by {', '.join(missed)}" if missed else "") if part)
+        lines += ["", f"Target (issue 24): packer at least {TARGETS[pipeline]:g}x the baseline: {verdict}."]
     return "\n".join(lines) + "\n"
 
 
@@ -358,11 +376,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     command = shlex.join(["python", "benchmarks/fields_pipeline.py", *(sys.argv[1:] if argv is None else argv)])
     out = args.out.resolve()
-    data = out / "data"
-    files = photos(args.source.resolve() if args.source else None, data, args.images, args.seed)
-    seg, captions, originals, smalls = make_tables(files, data)
-    packs = {f"seg-{fmt}": pack(seg, out / "packed" / f"seg-{fmt}", fmt) for fmt in FORMATS}
-    packs["captions-wds"] = pack(captions, out / "packed" / "captions-wds", "wds")
+    files = photos(args.source.resolve() if args.source else None, out, args.images, args.seed)
+    work = work_folder(out, files)
+    seg, captions, originals, smalls = make_tables(files, work)
+    packs = {f"seg-{fmt}": pack(seg, work / "packed" / f"seg-{fmt}", fmt) for fmt in FORMATS}
+    packs["captions-wds"] = pack(captions, work / "packed" / "captions-wds", "wds")
     rows = rows_to_measure(args, packs, originals, smalls)
     started, load_start = time.strftime("%Y-%m-%d %H:%M", time.gmtime()), load_average()
     measure(rows, args.repeats, args.epochs)
@@ -370,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": command, "started": started, "ended": time.strftime("%H:%M", time.gmtime()),
         "machine": machine_info(out), "load": {"start": load_start, "end": load_average(),
                                                "usable_cores": usable_cores()},
+        "work": str(work),
         "settings": {"images": len(files),
                      "source": shown(args.source, args.seed),
                      "repeats": args.repeats, "epochs": args.epochs, "workers": args.workers,

@@ -30,6 +30,8 @@ def test_quick_run_reports_every_row_with_the_promised_batches(tmp_path):
         assert len(row["runs"]) == 1 and row["images_per_s"] > 0
         assert row["ratio"] == row["images_per_s"] / next(
             r["images_per_s"] for r in rows if r["pipeline"] == row["pipeline"] and r.get("baseline"))
+        if row["name"].startswith("packer"):
+            assert row["target_met"] == (row["ratio"] >= row["target"])
         second = "uint8 (2, 224, 224)" if row["pipeline"] == "image + mask" else "list of 2 str"
         assert row["batch"] == ["uint8 (2, 3, 224, 224)", second], row["name"]
     assert result["settings"]["images"] == IMAGES and result["machine"]["usable_cores"] >= 1
@@ -39,6 +41,7 @@ def test_quick_run_reports_every_row_with_the_promised_batches(tmp_path):
     table_lines = [line for line in text.splitlines() if line.startswith("| ") and "img/s" not in line]
     assert [line.split(" | ")[0][2:] for line in table_lines] == SEG_ROWS + CAPTION_ROWS
     assert all(line.endswith("x |") for line in table_lines)
+    assert text.count("Target (issue 24): packer at least") == 2
     for fmt in ("lmdb", "hdf5", "wds"):
-        manifest = json.loads((out / "packed" / f"seg-{fmt}" / "manifest.json").read_text())
+        manifest = json.loads((Path(result["work"]) / "packed" / f"seg-{fmt}" / "manifest.json").read_text())
         assert manifest["count"] == IMAGES
