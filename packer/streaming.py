@@ -27,8 +27,7 @@ from .fieldbatch import collate_column, field_tensor
 from .fieldread import select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
 from .fields import decode as decode_value
-from .formats.wds import IMAGE_EXTS
-from .formats.wds_members import stored_bytes
+from .formats.wds_members import IMAGE_EXTS, stored_bytes
 from .manifest import read_manifest
 from .masks import decode_mask
 from .remote.cache import parse_limit

@@ -33,7 +33,7 @@ from PIL import Image
 
 import packer
 from packer.errors import CorruptDataError, ManifestError, PackerError
-from packer.formats.wds import scan_shards
+from packer.formats.wds_foreign import scan_shards
 from packer.sampler import EpochIndex
 from packer.sources import open_source
 from packer.verify import verify
@@ -308,7 +308,7 @@ def test_labels_that_are_not_class_indices_are_refused(tmp_path, label, member):
 def test_class_cap_boundary(tmp_path):
     """Labels up to MAX_SHARD_CLASSES - 1 make that many classes; one more is refused; a class list given to
     from_shards sets the bound instead."""
-    from packer.formats.wds import MAX_SHARD_CLASSES
+    from packer.formats.wds_foreign import MAX_SHARD_CLASSES
 
     top = write_tar(tmp_path / "top.tar", [*sample("a", 0), *sample("b", MAX_SHARD_CLASSES - 1)])
     assert len(packer.WdsDataset.from_shards([top]).classes) == MAX_SHARD_CLASSES

@@ -32,7 +32,7 @@ from PIL import Image
 import packer
 from packer import WdsDataset
 from packer.errors import CorruptDataError
-from packer.formats.wds import scan_shards
+from packer.formats.wds_foreign import scan_shards
 
 TIMEOUT = 120  # seconds: generous; only a hang would reach it
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from packer.errors import CorruptDataError, ManifestError
 from packer.formats.lmdb import HEADER, MAGIC, pack_record, unpack_record
-from packer.formats.wds import _npy_header
+from packer.formats.wds_foreign import _npy_header
 from packer.manifest import FORMAT_VERSION, parse_manifest
 from packer.transforms import Encoded
 

@@ -25,7 +25,7 @@ from packed_support import (
 from PIL import Image
 
 import packer
-from packer.formats.wds import scan_shards
+from packer.formats.wds_foreign import scan_shards
 
 CLASSES = {"lmdb": packer.LmdbDataset, "hdf5": packer.Hdf5Dataset, "wds": packer.WdsDataset}
 ROUND_TRIP_STORES = ["original", "jpeg", "png", "raw", "raw_var", "raw_normalize", "jpeg_fixed"]

@@ -1,5 +1,5 @@
 """The members of a WebDataset sample as packer writes them: their names and bytes, so that the ``webdataset``
-library decodes each by its extension (see :mod:`packer.formats.wds`)."""
+library decodes each by its extension, and the index row that locates them (see :mod:`packer.formats.wds`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from PIL import Image
 from ..errors import CorruptDataError
 from ..fields import NUMERIC, Field
 from ..transforms import EXTENSION_BY_FORMAT
+
+# a row of wds_index.npy (and of the index built of shards other tools wrote): where a sample's members are
+INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("json_offset", "<u8"),
+                        ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
 
 
 def member_suffix(field: Field, image_ext: str = "png") -> str:
