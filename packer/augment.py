@@ -31,9 +31,8 @@ _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 TRIES = 10  # torchvision's RandomResizedCrop.get_params
 # DCT-scaled decodes keep the region at least MARGIN times the output, so that the bilinear resample after them
-# still does the antialiasing. Measured on sample_data (300 windows each): with 1 (the smallest scale that
-# covers the output) a 48 px crop fell to 24 dB of the exact output and a 96 px one to 29 dB; with 2 the worst
-# was 32.6 dB. The cost is one scale step less (1/4 where 1/8 would have covered the output).
+# still does the antialiasing: with 1 (the smallest scale that covers the output) small crops fell well below
+# the 30 dB the fast path promises (docs/measurements.md, "Augmentation"). The cost is one scale step less.
 MARGIN = 2
 
 
@@ -132,7 +131,7 @@ def scaled_jpeg(payload: bytes | memoryview, mode: str, full: tuple[int, int], m
     """Decode a JPEG of ``full`` (height, width) at the smallest DCT scale among 1, 1/2, 1/4 and 1/8 whose image
     is at least ``min_height`` x ``min_width``: libjpeg-turbo skips most of the inverse DCT work at those.
     The other M/8 scales libjpeg-turbo offers are left out: they are slower than 1/2 and resample less well
-    (measured: windows resampled from a 7/8-scale decode fell to 27 dB of the exact output)."""
+    (docs/measurements.md)."""
     factor = dct_factor(full, min_height, min_width)
     arr = simplejpeg.decode_jpeg(payload, colorspace="GRAY" if mode == "L" else "RGB", min_factor=factor,
                                  min_height=-(-full[0] // factor), min_width=-(-full[1] // factor))

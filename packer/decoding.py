@@ -48,12 +48,9 @@ from .transforms import (
     to_pil,
 )
 
-# Where decoded pixels should start. Measured on this project's 2-core Intel Xeon host (simplejpeg 1.9): one
-# thread decoding 224 px JPEGs into the rows of a batch ran at 5,845 images/s into rows on a 64-byte boundary,
-# 5,332 at 32 bytes past one, and 6,380-6,409 at 8, 16 or 48 past one; a 256 px JPEG into a scratch buffer,
-# 3,689 against 4,033. torch's CPU and pinned memory start on 64-byte boundaries and shared memory on a page;
-# numpy's arrays start wherever glibc puts them, so the decode ceiling's processes, whose row landed either way,
-# measured 10,100 or 12,400 images/s for the same bytes. Batches and scratch buffers start here.
+# Where decoded pixels should start: simplejpeg decodes fastest into rows a few bytes past a 64-byte boundary,
+# not on one (docs/measurements.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
+# shared memory on a page; numpy's arrays start wherever glibc puts them. Batches and scratch buffers start here.
 DECODE_OFFSET = 16
 DECODE_SLACK = 64  # bytes allocated beyond a buffer's size to move its start there
 
@@ -65,9 +62,8 @@ def decode_start(address: int) -> int:
 
 def decode_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised flat uint8 array of ``nbytes`` at a :func:`decode_start`. From numpy, which asks the
-    kernel for transparent huge pages for large arrays; torch's allocator does not, and the threaded loader
-    decoding jpeg 256 + crop into batches in torch's memory at the same offset ran at 6,237-6,709 images/s
-    against 7,021-7,145 in numpy's."""
+    kernel for transparent huge pages for large arrays; torch's allocator does not, and decoding into torch's
+    memory was measurably slower (docs/measurements.md, "Decoding")."""
     flat = np.empty(nbytes + DECODE_SLACK, np.uint8)
     start = decode_start(flat.ctypes.data)
     return flat[start:start + nbytes]
@@ -197,9 +193,9 @@ class Decoding:
         """:meth:`decode_array` for the rows of a batch, chosen once per batch rather than per image. For JPEGs
         stored at the output size, or at the read-time resize with a centre crop to do (the validation set's
         common cases), it is the call to simplejpeg, and a slice copied: per-image Python holds the GIL that
-        the other decode threads need, and :meth:`decode_array`'s general checks cost ~10% of a 224 px decode
-        on two threads. Anything these do not decode exactly (another format or size, a damaged file) goes to
-        :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
+        the other decode threads need, and :meth:`decode_array`'s general checks are a noticeable part of a 224 px
+        decode (docs/measurements.md). Anything these do not decode exactly (another format or size, a damaged
+        file) goes to :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
         if self.augments or self.decoder == "pil" or self._is_raw or (self.resize and not self.center_crop):
             return self.decode_array
         if self.center_crop and self.decoder != "auto":

@@ -2,17 +2,17 @@
 
 Each default and why (every one can be overridden by keyword):
 
-- packer's datasets whose images have one shape (a packed size, or ``center_crop``/``random_resized_crop`` at
-  read time) and no per-item ``transform``: one worker process per usable core (the affinity mask, which SLURM
-  and taskset set, capped by a cgroup CPU quota and SLURM_CPUS_PER_TASK), each decoding whole batches into
-  shared memory the main process owns (:mod:`packer.workers`): only the labels cross between processes. Threads
-  in the main process share one GIL, with each other and with the training loop: on this project's 2-core
-  machine they reached 80-90% of the decode ceiling where the worker processes reach 86-103%, and torch's own
-  workers, which allocate and send every batch, 46-66%. Other packer datasets decode in the main process on one
-  thread per core, in a background thread ``prefetch_batches`` ahead (``num_workers=0`` asks for that); so do
-  all of them on one core, where processes do not fork (spawn and forkserver re-import a script's main module,
-  which must then be guarded), and where /dev/shm has no room for the batches in flight (a container's default
-  64 MB). Other datasets use ``num_workers`` = usable cores, torch's workers. Under torchrun every count is the
+- packer's datasets whose images have one shape (a packed size, or ``center_crop``/``random_resized_crop`` at read
+  time) and no per-item ``transform``: one worker process per usable core (the affinity mask, which SLURM and taskset
+  set, capped by a cgroup CPU quota and SLURM_CPUS_PER_TASK), each decoding whole batches into shared memory the main
+  process owns (:mod:`packer.workers`): only the labels cross between processes. Threads in the main process share one
+  GIL, with each other and with the training loop, so they reach less of the decode ceiling than worker processes do,
+  and torch's own workers, which allocate and send every batch, reach least (docs/measurements.md, "Loader"; ``packer
+  bench`` measures it on your machine). Other packer datasets decode in the main process on one thread per core, in a
+  background thread ``prefetch_batches`` ahead (``num_workers=0`` asks for that); so do all of them on one core, where
+  processes do not fork (spawn and forkserver re-import a script's main module, which must then be guarded), and where
+  /dev/shm has no room for the batches in flight (a container's default 64 MB). Other datasets use ``num_workers`` =
+  usable cores, torch's workers. Under torchrun every count is the
   rank's share of the node's cores (``LOCAL_WORLD_SIZE``);
 - ``pin_memory``: on when CUDA is available, so the copy to the GPU can be asynchronous;
 - ``persistent_workers``: on, so workers (and their open maps and page-cache-warm handles) survive epochs;

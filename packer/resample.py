@@ -10,19 +10,16 @@ torchvision's ``resized_crop`` does to a PIL image, at a fraction of its cost. W
   interpolate the same samples.
 - ``s >= 2``: a bilinear pass to ``2**j`` times the output (``2**j <= s``), then ``j`` halvings by 2 x 2 pixel
   averages (``INTER_AREA`` at exactly 2, OpenCV's vectorised case). OpenCV's own area filter at any other factor
-  was as slow as Pillow here (0.5 to 1.5 ms for a 224 px output), and bilinear alone aliases (20 dB at 48 px).
+  was as slow as Pillow, and bilinear alone aliases (docs/measurements.md, "Augmentation and resampling").
 
 Both leave the output sharper than Pillow's (its triangle is wider than a bilinear tap or a 2 x 2 average): on
 every axis shrunk by ``SOFTEN_FROM`` or more, a 3-tap blur ``SOFTEN`` at the output's size adds what is missing
-(a triangle of width ``s`` has twice the variance of a box of width ``s``). Measured on sample_data (every
-photograph, 3 windows each, against Pillow at the window), windows shrunk 1.4x to 2x went from a worst 29.1 to
-34.2 dB at 96 px and from 34.9 to 40.9 dB at 224 px with it; it costs about 50 us at 224 px. Through the whole
-fast path (DCT-scaled decodes included), the worst of 300 windows was 31.3 dB at 48 px, 36.0 dB at 96 px and
-39.4 dB at 224 px.
+(a triangle of width ``s`` has twice the variance of a box of width ``s``); what it gains, what it costs and the
+fast path's worst windows are in docs/measurements.md.
 
 A region with fractional bounds (a window in an image decoded at a reduced DCT scale) goes through
 ``warpAffine``, which maps the output grid onto the exact fractional box; rounding the box to whole pixels
-instead cost up to 4 dB.
+instead cost several dB.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import numpy as np
 # process-wide, so it also applies to the user's own OpenCV calls in this process.
 cv2.setNumThreads(1)
 
-SOFTEN_FROM = 1.4  # below it the bilinear pass alone was over 35 dB from Pillow at 96 and 224 px
+SOFTEN_FROM = 1.4  # below it the bilinear pass alone is already close to Pillow (docs/measurements.md)
 SOFTEN = np.array([0.0625, 0.875, 0.0625], np.float32)
 _KEEP = np.array([0.0, 1.0, 0.0], np.float32)
 

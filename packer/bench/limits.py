@@ -174,10 +174,9 @@ def interleaved_ceiling(limits: dict[str, Any], target: Target) -> Iterator[Call
     of a :class:`DecodePool` (call it before each of the target's runs; None where no decode ceiling applies),
     and on exit puts the median of the rounds in ``limits["decode"]``, every round beside it.
 
-    Why interleaved, and the median: on a shared host the cores' speed itself varies. Measured here with the
-    load average under 1, one thread decoding the same 100 JPEGs over and over for 20 s ran at 2,851 images/s
-    at the 10th percentile, 3,101 at the median and 3,667 at the 90th, and one image's decode took 182-213 us
-    in runs minutes apart. The ceiling was the best of three rounds taken at the start of a 15-minute run:
+    Why interleaved, and the median: on a shared host the cores' speed itself varies, by tens of percent between
+    the 10th and the 90th percentile of one decode loop even with the load average under 1
+    (docs/measurements.md). The ceiling was the best of three rounds taken at the start of a 15-minute run:
     near the top of that spread and minutes away from the rows, each of which is a median of runs. Taken
     between the runs, as a median, the ceiling sees the host as the rows do."""
     key = ceiling_key(target)

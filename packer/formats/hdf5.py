@@ -88,8 +88,8 @@ class Hdf5Writer(Writer):
         shape = self.spec.fixed_shape
         path = self.dest / FILENAME
         # The temporary files are read in COPY_BYTES pieces, not memory-mapped or read whole: a map's pages count
-        # in the process's RSS (and a job's cgroup), so the peak grew with the dataset (store original: 211 MB at
-        # 3,000 images, 1,283 MB at 24,000); now it stays flat (120 and 126 MB, benchmarks/pack_memory.py).
+        # in the process's RSS (and a job's cgroup), so the peak grew with the dataset; read in pieces it stays
+        # flat (docs/measurements.md, benchmarks/pack_memory.py).
         with h5py.File(path, "w", libver="earliest") as f:
             if self.spec.store == "raw" and shape:
                 images = f.create_dataset("images", (n, *shape), dtype=np.dtype(self.spec.dtype))

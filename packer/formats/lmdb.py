@@ -269,8 +269,8 @@ class LmdbReader(Reader):
     was replaced before its first read refuses (see :mod:`packer.formats.identity`).
 
     ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
-    more, so without it a cold read faults them in one 4 KB page at a time (measured: 0.03x the folder's
-    rate on a cold cache); turn it off only for records much smaller than a page."""
+    more, so without it a cold read faults them in one 4 KB page at a time, far slower than the folder on a
+    cold cache (docs/measurements.md); turn it off only for records much smaller than a page."""
 
     HANDLES = ("env", "txn")
 
