@@ -5,6 +5,7 @@ The dataset has one image per class, so a batch's labels say which samples it ho
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,26 @@ def test_import_packer_does_not_import_lightning_and_without_it_says_what_to_ins
     last = r.stderr.strip().splitlines()[-1]
     assert last == ("ImportError: packer.lightning needs Lightning, which is not installed: "
                     "pip install 'packer-data[lightning]'"), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_ranks_share_each_epoch_and_resume_mid_epoch(packed, tmp_path):
+    """``Trainer(strategy="ddp", devices=2)`` on CPU, with Lightning's default ``use_distributed_sampler``: the
+    ranks read disjoint halves of the epoch, and a run killed at step 2 and resumed from its step-1 checkpoint
+    reads exactly what each rank had left after step 1."""
+    worker = Path(__file__).with_name("lightning_ddp_worker.py")
+
+    def run(mode: str) -> list[list[list[int]]]:
+        r = subprocess.run([sys.executable, str(worker), str(packed), str(tmp_path), mode], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == (3 if mode == "kill" else 0), r.stderr[-3000:]
+        return [json.loads((tmp_path / f"{mode}-{rank}.json").read_text()) for rank in range(2)]
+
+    full = run("full")
+    assert [len(batches) for batches in full] == [3, 3]  # 11 samples a rank: 4 + 4 + 3
+    assert sorted(label for batches in full for batch in batches for label in batch) == list(range(N))
+    killed, resumed = run("kill"), run("resume")
+    for rank in range(2):
+        assert killed[rank] == full[rank][:2]  # the same order as the uninterrupted run
+        assert resumed[rank] == full[rank][1:]  # after the step-1 checkpoint: the rest, none twice, none lost
