@@ -118,6 +118,20 @@ def test_fit_killed_mid_epoch_resumes_exactly_from_its_checkpoint(packed, tmp_pa
     assert again.train_seen == [rest]
 
 
+def test_checkpoint_at_an_epochs_last_batch_resumes_with_the_next_epoch(packed, tmp_path):
+    """A checkpoint taken after the last batch of epoch 0 resumes with the whole of epoch 1, nothing of epoch 0."""
+    first = Recorder()
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
+    with pytest.raises(Killed):
+        trainer(max_epochs=2, callbacks=[checkpoints, KillAtStep(7)]).fit(first, PackedDataModule(packed, batch_size=4))
+    epoch0, epoch1_begun = first.train_seen
+    second = Recorder()
+    trainer(max_epochs=2, enable_checkpointing=False).fit(second, PackedDataModule(packed, batch_size=4),
+                                                          ckpt_path=tmp_path / "epoch=0-step=6.ckpt")
+    assert len(second.train_seen) == 1 and sorted(second.train_seen[0]) == list(range(N))
+    assert second.train_seen[0][:4] == epoch1_begun and second.train_seen[0] != epoch0
+
+
 def test_import_packer_does_not_import_lightning_and_without_it_says_what_to_install():
     code = ("import sys; import packer; packer.open_dataset; packer.make_loader; "
             "assert not [m for m in sys.modules if m.startswith(('lightning', 'pytorch_lightning'))]; "
