@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import arguments
 from .distribution import pip_hint
 from .errors import UsageError
 
@@ -93,8 +94,8 @@ class PackedDataModule(pl.LightningDataModule):
         loader_options: more ``packer.make_loader`` arguments, for both loaders (``num_workers``, ``threads``...).
 
     Raises:
-        ValueError: (one line) an argument of the wrong type or range, naming it (from ``open_dataset`` and
-            ``make_loader``, at :meth:`setup`).
+        ValueError: (one line) an argument of the wrong type or range, naming it: here for this class's own,
+            at :meth:`setup` for ``open_dataset``'s and at the loaders for ``make_loader``'s.
     """
 
     def __init__(self, train: Dest, val: Dest | None = None, *, batch_size: int = 64, val_batch_size: int | None = None,
@@ -104,6 +105,14 @@ class PackedDataModule(pl.LightningDataModule):
                  flip: bool = False, dataset_options: dict[str, Any] | None = None,
                  loader_options: dict[str, Any] | None = None):
         super().__init__()
+        arguments.int_at_least("batch_size", batch_size, 1)
+        arguments.optional_int("val_batch_size", val_batch_size, 1)
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            arguments.flag(name, value)
+        arguments.seed("seed", seed)
+        for name, value in (("dataset_options", dataset_options), ("loader_options", loader_options)):
+            if value is not None and not isinstance(value, dict):
+                raise UsageError(f"{name} must be a dict of keyword arguments or None, not {value!r}")
         self.train_root, self.val_root = train, val
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
