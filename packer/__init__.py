@@ -11,6 +11,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.to_device(loader, "cuda", normalize=(mean, std))
     packer.stream(dest, batch_size)                 # sequential reading of WebDataset shards, resumable
     packer.PackerError                              # base of every error packer raises
+    packer.lightning.PackedDataModule               # a Lightning DataModule (the lightning extra; not imported here)
 """
 
 from __future__ import annotations
