@@ -154,7 +154,7 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     t = manifest["transform"]
     lines = [summary_line(dest, manifest),
              f"  packed by packer {manifest.get('packer_version')} on {manifest.get('created')} from "
-             f"{manifest.get('source', {}).get('root')}",
+             f"{manifest.get('source', {}).get('root') or manifest.get('source', {}).get('dataset')}",
              f"  classes: {', '.join(manifest['classes'][:20])}{' ...' if len(manifest['classes']) > 20 else ''}",
              f"  store {t['store']}, mode {t['mode']}, dtype {manifest.get('dtype')}, shape "
              f"{manifest.get('shape') or 'varies'}"]

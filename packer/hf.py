@@ -129,19 +129,45 @@ def _field_of(name: str, feature: Any) -> Field | None:
             length = getattr(feature, "length", -1)
             return Field(name, "int64" if str(inner.dtype) in _INTS else "float32",
                          (length,) if length and length > 0 else None)
-        return Field(name, "json")
-    if isinstance(feature, (dict, list)):
+    if _jsonable(feature):
         return Field(name, "json")
     return None
 
 
-def _column(dataset, name: str):
-    """Column ``name`` as one pyarrow ChunkedArray in the dataset's row order (an indices mapping applied)."""
-    column = dataset.data.column(name)
+def _per_row(dataset, name: str, values) -> np.ndarray:
+    """``values(chunk)`` (a numpy array per arrow chunk of column ``name``) for every row, in the dataset's row
+    order: computed on the stored table, then an indices mapping (a shuffled or selected dataset) applied to the
+    small result, never to the column (that would copy every image)."""
+    chunks = dataset.data.column(name).chunks
+    out = np.concatenate([values(chunk) for chunk in chunks]) if chunks else np.zeros(0, np.int64)
     indices = getattr(dataset, "_indices", None)
     if indices is not None:
-        column = column.take(indices.column(0))
-    return column
+        out = out[indices.column(0).to_numpy()]
+    return out
+
+
+def _labels(chunk) -> np.ndarray:
+    return chunk.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _lengths(chunk) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.binary_length(chunk.field("bytes")), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _jsonable(feature: Any) -> bool:
+    """Whether values of ``feature`` are plain JSON (no images, audio, binary or timestamps inside)."""
+    kind = _feature_type(feature)
+    if isinstance(feature, dict):
+        return all(_jsonable(f) for f in feature.values())
+    if isinstance(feature, list):
+        return all(_jsonable(f) for f in feature)
+    if kind in ("Sequence", "List", "LargeList"):
+        return _jsonable(feature.feature)
+    if kind == "Value":
+        return str(feature.dtype) in _INTS + _FLOATS + ("string", "large_string")
+    return kind == "ClassLabel"
 
 
 class HfReader(SampleReader):
@@ -218,7 +244,7 @@ class HfSource(Source):
         classes = list(features[label].names) if label is not None else []
         labels = np.zeros(0, np.int64)
         if label is not None:
-            labels = _column(dataset, label).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+            labels = _per_row(dataset, label, _labels)
             if len(labels) and (labels < 0).all():
                 warn(f"{self.name}: column {label!r} holds no class (all -1, an unlabelled split); packed without one")
                 label, classes = None, []
@@ -259,8 +285,7 @@ class HfSource(Source):
 
     def sizes(self) -> np.ndarray:
         try:
-            column = _column(self.dataset, self.image)
-            lengths = np.concatenate([_lengths(chunk) for chunk in column.chunks] or [np.zeros(0)]).astype(np.int64)
+            lengths = _per_row(self.dataset, self.image, _lengths)
         except Exception:  # a layout this estimate does not know: a guess (sizes only size the output)
             return np.full(self.count, 100_000, np.int64)
         known = lengths[lengths > 0]
@@ -293,12 +318,6 @@ class HfSource(Source):
         return super().dest_problem(dest)
 
 
-def _lengths(chunk) -> np.ndarray:
-    import pyarrow.compute as pc
-
-    return pc.fill_null(pc.binary_length(chunk.field("bytes")), 0).to_numpy(zero_copy_only=False)
-
-
 def _loaded(src: Any, split: str | None) -> tuple[Any, str, Path | None, str | None]:
     """``(dataset, name, folder, split)``: the ``datasets.Dataset`` that ``src`` names (``hf:PATH_OR_NAME``, a
     ``Dataset`` or a ``DatasetDict``), how messages name it, its folder (None for a Hub name or an object) and
@@ -321,7 +340,7 @@ def _loaded(src: Any, split: str | None) -> tuple[Any, str, Path | None, str | N
             loaded = _load_hub(datasets, name, src)
         where = src
     else:
-        loaded, where = src, f"the {type(src).__name__}"
+        loaded, where = src, f"the datasets.{type(src).__name__}"
     dataset, chosen = _pick_split(datasets, loaded, split, where)
     return dataset, where, folder, chosen
 

@@ -168,3 +168,16 @@ def test_unlabelled_rows_are_skipped_and_listed(tmp_path):
     manifest = packer.pack(ds, tmp_path / "out", "lmdb", progress=False, workers=1)
     assert manifest["count"] == 3
     assert manifest["skipped"][0]["path"] == "00000001" and "no class" in manifest["skipped"][0]["error"]
+
+
+def test_a_shuffled_dataset_keeps_its_rows_and_unpackable_columns_are_left_out_with_a_warning(tmp_path, capfd):
+    ds = make_dataset(6)
+    ds = ds.add_column("frames", [[{"bytes": _image_bytes(i), "path": None}] for i in range(6)],
+                       feature=datasets.List(datasets.Image()))
+    shuffled = ds.shuffle(seed=3)  # an indices mapping over the stored table
+    manifest = packer.pack(shuffled, tmp_path / "out", "hdf5", progress=False)
+    assert "column 'frames' (List) is not packed" in capfd.readouterr().err
+    assert [f["name"] for f in manifest["fields"]] == ["image", "label", "caption", "score", "box", "meta"]
+    back = packer.to_hf(tmp_path / "out", cache_dir=tmp_path / "hf-cache")
+    expected = shuffled.remove_columns("frames").cast_column("image", datasets.Image(decode=False))
+    assert back.cast_column("image", datasets.Image(decode=False)).to_list() == expected.to_list()
