@@ -4,6 +4,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
 
     packer.pack(src, dest, format="lmdb", ...)      # convert (or repack); returns the manifest
     packer.export(dest, out)                        # a packed dataset back to an image folder
+    packer.to_hf(dest)                              # a packed dataset as a Hugging Face datasets.Dataset
     packer.open_dataset(dest, transform=None)       # the format's Dataset
     packer.LmdbDataset, Hdf5Dataset, WdsDataset, PartedDataset, FolderDataset
     # dest may be a URL (s3://, gs://, https://...) wherever it is read or written: see packer.remote
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "pack": "packer.convert",
     "export": "packer.exporter",
+    "to_hf": "packer.hf",
     "open_dataset": "packer.dataset",
     "read_manifest": "packer.remote",
     "LmdbDataset": "packer.dataset",

@@ -104,7 +104,8 @@ def main() -> None:
 def pack(src, dest, quiet, **options) -> None:
     """Convert SRC into a dataset in DEST. SRC is an image folder (SRC/<class>/**/<image>), a dataset packed by
     packer (to change format or re-pack with a new transform), or WebDataset shards from any tool: a folder of
-    .tar files, one .tar, or a quoted glob such as 'shards/*.tar'.
+    .tar files, one .tar, or a quoted glob such as 'shards/*.tar'. hf:PATH_OR_NAME is a Hugging Face dataset: a
+    save_to_disk folder (--split of a DatasetDict) or a Hub dataset already downloaded.
 
     Started by torchrun (torchrun --nproc_per_node=K -m packer pack ...), every rank converts a part; DEST must
     then be on a filesystem every node shares. One process at a time writes DEST: a second fails at once."""
@@ -153,7 +154,7 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     t = manifest["transform"]
     lines = [summary_line(dest, manifest),
              f"  packed by packer {manifest.get('packer_version')} on {manifest.get('created')} from "
-             f"{manifest.get('source', {}).get('root')}",
+             f"{manifest.get('source', {}).get('root') or manifest.get('source', {}).get('dataset')}",
              f"  classes: {', '.join(manifest['classes'][:20])}{' ...' if len(manifest['classes']) > 20 else ''}",
              f"  store {t['store']}, mode {t['mode']}, dtype {manifest.get('dtype')}, shape "
              f"{manifest.get('shape') or 'varies'}"]

@@ -26,14 +26,16 @@ from .options import args_doc, pack_options, signature_parameters
 from .remote.url import parse_url
 
 
-def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", *,
+def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "lmdb", *,
          storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
          **options: Any) -> dict[str, Any]:
     """Convert ``src`` into a ``format`` dataset in ``dest`` and return its manifest.
 
     ``src`` is an image folder, a dataset packed by packer (any format: repacking keeps relpaths, and with
     ``store="original"`` the stored bytes), or WebDataset shards written by any tool (a folder of ``.tar`` files,
-    one ``.tar``, or a glob; the label comes from ``label_key``: ``cls``, ``txt``, ``json:FIELD``...).
+    one ``.tar``, or a glob; the label comes from ``label_key``: ``cls``, ``txt``, ``json:FIELD``...), or a Hugging
+    Face dataset: a ``datasets.Dataset`` (or ``DatasetDict``, with ``split``), or ``"hf:PATH_OR_NAME"`` naming a
+    ``save_to_disk`` folder or a Hub dataset already downloaded (see :mod:`packer.hf`).
 
     ``resume=True`` continues an interrupted conversion of the same source with the same options, and returns
     the existing manifest if ``dest`` is already finished. Under torchrun (``WORLD_SIZE`` > 1) or in an
@@ -42,7 +44,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, format: str = "lmdb", 
     ``packer pack`` calls this with the same names (:class:`packer.options.PackOptions` declares them).
 
     Args:
-        src: the image folder, packed dataset or WebDataset shards to convert.
+        src: the image folder, packed dataset, WebDataset shards or Hugging Face dataset to convert.
         dest: the folder to write; new, empty, or (with ``overwrite``) a packer dataset. Or a URL (``s3://``,
             ``gs://``): converted into a staging folder in the cache, then uploaded, manifest last
             (:mod:`packer.remote.upload`).

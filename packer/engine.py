@@ -141,7 +141,7 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
     """
     writer_cls, _ = get_format(options.format)
     source = open_source(src, include_hidden=options.include_hidden, label_key=options.label_key,
-                         table=options.table)
+                         table=options.table, hf=options.hf)
     spec = options.transform_spec(source.default_store, source.mode)
     source.check(spec)
     where = source.root if source.kind == "folder" else src
@@ -168,6 +168,8 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
         record["label_key"] = options.label_key
     if source.kind == "table":
         record["table"] = options.table
+    if source.kind == "hf":
+        record["hf"] = options.hf
     record = json.loads(json.dumps(record))  # as the journal will hold them: lists, not tuples
     order = array("q", range(source.count))
     if options.shuffle:

@@ -145,16 +145,18 @@ class PackOptions:
                              cli=dict(type=click.IntRange(1), show_default=True))
     label_key: str | None = option(None, "WebDataset SRC: the member that holds the integer label: cls (default), "
                                          "txt, json:FIELD...", cli={})
-    image_column: str = option("image", "Annotation table SRC: the column of image paths.",
-                               cli=dict(show_default=True))
+    image_column: str | None = option(None, "Annotation table SRC: the column of image paths (default image); hf: "
+                                            "SRC: the Image() column (default: the first).", cli={})
     root: str | os.PathLike | None = option(
         None, "Annotation table SRC: the folder its image paths are relative to (default: the table's folder).",
         cli={})
     label_column: str | None = option(None, "Annotation table SRC: the class column (strings become classes in "
-                                            "sorted order, as ImageFolder's folders; integers are kept).", cli={})
+                                            "sorted order, as ImageFolder's folders; integers are kept); hf: SRC: "
+                                            "the ClassLabel column (default: the first).", cli={})
     field: tuple[str, ...] = option((), "Annotation table SRC: a column's type, NAME:TYPE (repeatable): text, json, "
                                         "int64, float32, int64[n] or float32[] vectors, image, mask, class.",
                                     cli=dict(multiple=True))
+    split: str | None = option(None, "hf: SRC holding a DatasetDict: the split to pack (default train).", cli={})
     distributed: bool | None = option(None, "False: convert in this process only, even under torchrun; True: "
                                             "require a distributed launch (default: detect it).")
     progress: bool = option(True, "Show a progress bar on stderr (the CLI's --quiet turns it off).")
@@ -175,8 +177,13 @@ class PackOptions:
     def table(self) -> dict[str, Any]:
         """The options of an annotation-table source (:class:`packer.table.TableSource`)."""
         root = None if self.root is None else str(self.root)
-        return {"image_column": self.image_column, "root": root, "label_column": self.label_column,
+        return {"image_column": self.image_column or "image", "root": root, "label_column": self.label_column,
                 "field": tuple(self.field)}
+
+    @property
+    def hf(self) -> dict[str, Any]:
+        """The options of a Hugging Face source (:class:`packer.hf.HfSource`)."""
+        return {"split": self.split, "image_column": self.image_column, "label_column": self.label_column}
 
     def transform_spec(self, default_store: str | None = None, default_mode: str | None = None) -> TransformSpec:
         """The transform these options ask for, defaults filled in: ``original`` unless pixels change, ``jpeg``

@@ -232,18 +232,25 @@ def _shards_in(folder: Path) -> list[Path] | None:
     return tars or None
 
 
-def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key: str | None = None,
-                table: dict[str, Any] | None = None) -> Source:
+def open_source(src: str | os.PathLike | Any, include_hidden: bool = False, label_key: str | None = None,
+                table: dict[str, Any] | None = None, hf: dict[str, Any] | None = None) -> Source:
     """The :class:`Source` that ``src`` names:
 
+    - ``hf:PATH_OR_NAME``, a ``datasets.Dataset`` or ``DatasetDict``: a Hugging Face dataset (``hf``: the keyword
+      arguments of :class:`packer.hf.HfSource`: ``split``, ``image_column``, ``label_column``);
     - a ``.csv``, ``.tsv`` or ``.jsonl`` file: an annotation table (``table``: the keyword arguments of
       :class:`packer.table.TableSource`: ``image_column``, ``root``, ``label_column``, ``field``);
     - a folder with ``manifest.json``: a packed dataset;
     - a ``.tar`` file, a glob such as ``'shards/*.tar'``, or a folder that holds ``.tar`` files and no
       sub-folders: WebDataset shards (labels from ``label_key``, default ``cls``);
     - any other folder: an image folder (``include_hidden`` keeps names starting with '.')."""
+    from .hf import is_hf
     from .remote.resolve import local_dataset
 
+    if is_hf(src):
+        return _hf_source(src, label_key, table, hf)
+    if (hf or {}).get("split") is not None:
+        raise UsageError("--split is for a Hugging Face SRC (hf:PATH_OR_NAME)")
     text = os.fspath(local_dataset(src))  # a URL: the packed dataset there, fetched into the cache
     path = Path(text)
     shards: list[Path] | None = None
@@ -273,3 +280,14 @@ def open_source(src: str | os.PathLike, include_hidden: bool = False, label_key:
     if label_key is not None:
         raise UsageError("--label-key is for WebDataset shards; an image folder's labels are its class folders")
     return FolderSource(path, include_hidden=include_hidden)
+
+
+def _hf_source(src: Any, label_key: str | None, table: dict[str, Any] | None, hf: dict[str, Any] | None) -> Source:
+    from .hf import HfSource
+
+    if label_key is not None:
+        raise UsageError("--label-key is for WebDataset shards; a Hugging Face dataset's class is --label-column")
+    if table and (table.get("root") is not None or table.get("field")):
+        raise UsageError("--root and --field are for annotation tables; a Hugging Face dataset's columns are typed "
+                         "from its features")
+    return HfSource(src, **(hf or {}))
