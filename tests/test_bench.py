@@ -150,22 +150,92 @@ def test_machine_and_settings_are_recorded(bench_run):
 def test_tune_writes_loader_json_that_make_loader_uses(tiny_folder, tmp_path, run_packer, capsys):
     dest = tmp_path / "ds"
     packer.pack(tiny_folder, dest, "lmdb", store="jpeg", resize=32, center_crop=24, progress=False)
-    proc = run_packer("bench", "--tune", dest, "--workers", "0,1", "--batch-sizes", "4,8", "--prefetch-factors",
-                      "2", "--quiet")
+    proc = run_packer("bench", "--tune", dest, "--workers", "0,1", "--batch-size", "4", "--prefetch-factors",
+                      "2", "--read-resize", "none", "--read-crop", "none", "--quiet")
     assert proc.returncode == 0, proc.stderr
     data = json.loads((dest / "loader.json").read_text())
     results = data["measured"]["results"]
-    assert sorted((r["num_workers"], r["batch_size"], r["prefetch_factor"]) for r in results) == [
-        (0, 4, 2), (0, 8, 2), (1, 4, 2), (1, 8, 2)]
+    threads = sorted({1, packer.system.usable_cores()})
+    assert sorted((r["num_workers"], r["threads"], r["prefetch_factor"]) for r in results) == [
+        *((0, t, 2) for t in threads), (1, 1, 2)]
+    assert {r["batch_size"] for r in results} == {4}, "every config reads the same batch size"
     best = max(results, key=lambda r: r["samples_per_s"])
-    assert data["loader"] == {k: best[k] for k in ("num_workers", "batch_size", "prefetch_factor")}
+    assert "batch_size" not in data["loader"]
+    assert {k: data["loader"][k] for k in ("num_workers", "prefetch_factor")} == {
+        k: best[k] for k in ("num_workers", "prefetch_factor")}
     assert data["measured"]["samples_per_s"] == best["samples_per_s"] > 0
 
     loader = packer.make_loader(packer.open_dataset(dest))
-    assert (loader.num_workers, loader.batch_size) == (best["num_workers"], best["batch_size"])
+    assert (loader.num_workers, loader.batch_size) == (best["num_workers"], 64), "batch_size is never tuned"
     prefetch = loader.prefetch_factor if best["num_workers"] else loader.prefetch_batches
     assert prefetch == best["prefetch_factor"]
+    if best["num_workers"] == 0:
+        assert loader.threads == best["threads"]
     assert "loader.json" in capsys.readouterr().err
+
+
+def _tuned(dest: Path, view: dict | None, **loader) -> None:
+    (dest / "loader.json").write_text(json.dumps({"loader": loader, **({"view": view} if view else {})}))
+
+
+@pytest.fixture
+def tuned_dest(tiny_folder, tmp_path) -> Path:
+    dest = tmp_path / "ds"
+    packer.pack(tiny_folder, dest, "lmdb", store="raw", resize=32, center_crop=24, progress=False)
+    return dest
+
+
+def test_explicit_arguments_win_silently_and_the_line_names_only_what_applies(tuned_dest, capsys):
+    from packer.loader import read_view
+
+    _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, threads=1, prefetch_factor=3,
+           batch_size=5)
+    ds = packer.open_dataset(tuned_dest)
+    loader = packer.make_loader(ds)
+    assert (loader.batch_size, loader.num_workers, loader.threads, loader.prefetch_batches) == (64, 0, 1, 3)
+    err = capsys.readouterr().err
+    assert "num_workers" in err and "prefetch_factor" in err and "batch_size" not in err
+    loader = packer.make_loader(ds, batch_size=256, prefetch_batches=2)
+    assert (loader.batch_size, loader.prefetch_batches, loader.threads) == (256, 2, 1)
+    [line] = capsys.readouterr().err.splitlines()
+    assert "prefetch_factor" not in line and "num_workers" not in line and "batch_size" not in line
+    assert "'threads': 1" in line
+    loader = packer.make_loader(ds, num_workers=0, threads=2, prefetch_batches=1)
+    assert (loader.num_workers, loader.threads, loader.prefetch_batches) == (0, 2, 1)
+    assert capsys.readouterr().err == "", "nothing tuned applies: nothing said"
+
+
+def test_settings_tuned_for_another_view_are_not_applied(tuned_dest, capsys):
+    from packer.loader import read_view
+
+    _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, prefetch_factor=3)
+    cropped = packer.open_dataset(tuned_dest, random_resized_crop=16, flip=True)
+    loader = packer.make_loader(cropped)
+    assert loader.batch_size == 64 and not (loader.num_workers == 0 and loader.prefetch_batches == 3)
+    [line] = capsys.readouterr().err.splitlines()
+    assert "another view" in line and "random_resized_crop" in line and "packer bench --tune" in line
+
+
+def test_tune_records_the_view_and_warns_when_its_figures_are_noise(tuned_dest, capsys):
+    data = bench.tune(tuned_dest, workers=[0], prefetch_factors=[2], batch_size=4, samples=4, min_seconds=0,
+                      read_resize=None, read_crop=24, pipeline="train", progress=False)
+    # the train view: the random resized crop at the output size (the stored one, 24), with flips
+    assert data["view"]["random_resized_crop"] == [24, 24] and data["view"]["flip"] is True
+    assert data["measured"]["noise"] and "these figures are noise" in data["measured"]["noise"]
+    assert f"packer: warning: {data['measured']['noise']}" in capsys.readouterr().err.splitlines()
+    assert "WARNING: " in bench.format_tune(data, tuned_dest)
+    plain = packer.make_loader(packer.open_dataset(tuned_dest))
+    assert "another view" in capsys.readouterr().err and plain.batch_size == 64
+    train = packer.make_loader(packer.open_dataset(tuned_dest, random_resized_crop=24, flip=True))
+    assert "using tuned loader settings" in capsys.readouterr().err and train.num_workers == 0
+
+
+def test_noise_warning_needs_two_batches_and_two_seconds_per_config():
+    enough = {"batches": 40, "seconds": 3.0}
+    assert bench.noise_warning([enough]) is None
+    assert "noise" in bench.noise_warning([enough, {"batches": 1, "seconds": 5.0}])
+    assert "1 batches in 5.00 s" in bench.noise_warning([enough, {"batches": 1, "seconds": 5.0}])
+    assert bench.noise_warning([{"batches": 100, "seconds": 0.5}]).startswith("1 of 1 configs")
 
 
 @pytest.mark.parametrize("args, message", [
