@@ -367,3 +367,44 @@ def test_shuffle_quality_section_compares_the_orders(bench_run):
     assert orders["packed order (no shuffle)"] > 0.4
     assert orders["make_loader(shuffle=True)"] < orders["packed order (no shuffle)"]
     assert "## Shuffle quality" in (out / "results.md").read_text()
+
+
+def test_first_screen_says_what_to_use_and_how_much_faster_before_the_table(bench_run):
+    proc, out, results = bench_run
+    lines = proc.stdout.splitlines()
+    for pipeline in ("val", "train"):
+        steady = [r for r in results["rows"] if r["pipeline"] == pipeline and r["cache"] == "warm"]
+        best = max((r for r in steady if r["dataset"] != "folder"), key=lambda r: r["samples_per_s"])
+        folder = max((r for r in steady if r["dataset"] == "folder"), key=lambda r: r["samples_per_s"])
+        ratio = best["samples_per_s"] / folder["samples_per_s"]
+        [line] = [x for x in lines if x.startswith("Use: ") and f"{pipeline} (" in x]
+        assert line.startswith(f"Use: {best['dataset']}, store {best['store']}, in-process loader "
+                               f"({best['threads']} threads): {ratio:.1f}x your folder "
+                               f"({best['samples_per_s']:,.0f} img/s vs {folder['samples_per_s']:,.0f};")
+        assert lines.index(line) < lines.index(next(x for x in lines if x.startswith("machine: ")))
+    chart = results["chart"]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert chart is None
+        assert "no chart: matplotlib is not installed; pip install 'packer-data[bench]' draws one" in lines
+    else:
+        assert f"chart: {chart}" in lines and Path(chart).exists()
+    assert lines[1].startswith("Use: ") and "Use: " in (out / "results.txt").read_text().splitlines()[0]
+
+
+def test_summary_picks_the_fastest_packed_row_against_the_folder_at_its_fastest():
+    def row(dataset, store, workers, rate, cache="warm", epoch=2):
+        return {"dataset": dataset, "store": store, "pipeline": "val", "workers": workers, "threads": 2,
+                "cache": cache, "epoch": epoch, "samples_per_s": rate}
+
+    rows = [row("folder", "files", 0, 150.0), row("folder", "files", 2, 202.0), row("lmdb", "jpeg", 0, 900.0),
+            row("lmdb", "jpeg", 2, 1234.0), row("wds", "raw", 2, 1100.0), row("hdf5", "raw", 2, 5000.0, epoch=1),
+            row("hdf5", "raw", 2, 9000.0, cache="cold", epoch=1), row("folder", "files", 2, 50.0, "cold", 1)]
+    choice = bench.best_choice(rows, "val")
+    assert (choice["row"]["dataset"], choice["row"]["workers"], choice["folder"]["workers"]) == ("lmdb", 2, 2)
+    assert choice["ratio"] == pytest.approx(1234 / 202)
+    [line] = bench.summary_lines({"rows": rows})
+    assert line.startswith("Use: lmdb, store jpeg, 2 worker processes: 6.1x your folder (1,234 img/s vs 202;")
+    cold = bench.best_choice([r for r in rows if r["cache"] == "cold"], "val")
+    assert cold["ratio"] == pytest.approx(9000 / 50)
+    assert bench.summary_lines({"rows": rows, "chart": None})[1] == (
+        "no chart: matplotlib is not installed; pip install 'packer-data[bench]' draws one")

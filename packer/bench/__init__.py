@@ -27,7 +27,8 @@ on one packed dataset, for one read-time view, and writes the fastest with that 
 Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cache`` (warm, evict, resident),
 ``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
 and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
-``chart`` (bench.png), ``tune`` (``DEST/loader.json``) and ``run`` (:func:`run_bench`).
+``chart`` (bench.png), ``summary`` (the first screen: what to use, how much faster), ``tune``
+(``DEST/loader.json``) and ``run`` (:func:`run_bench`).
 """
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
@@ -55,11 +56,13 @@ from .report import (
                      write_outputs,
 )
 from .run import DEFAULT_OUT, default_workers, optional_size, run_bench, split_ints, split_names
+from .summary import best_choice, summary_lines
 from .targets import Size, Target, Variant, folder_target, pack_target, packed_target, parse_variant, read_geometry
 from .tune import format_tune, noise_warning, tune, tune_workers
 
 __all__ = [
     "DEFAULT_OUT", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
+    "best_choice", "summary_lines",
     "WARMUP_BATCHES", "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
     "dataset_files", "decode_rates", "default_workers", "describe_load", "describe_machine", "disk_read_speed",
     "evict", "filesystem_type", "folder_target", "format_table", "format_tune", "interleaved_ceiling", "limits_lines",
