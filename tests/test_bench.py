@@ -377,10 +377,12 @@ def test_first_screen_says_what_to_use_and_how_much_faster_before_the_table(benc
         best = max((r for r in steady if r["dataset"] != "folder"), key=lambda r: r["samples_per_s"])
         folder = max((r for r in steady if r["dataset"] == "folder"), key=lambda r: r["samples_per_s"])
         ratio = best["samples_per_s"] / folder["samples_per_s"]
-        [line] = [x for x in lines if x.startswith("Use: ") and f"{pipeline} (" in x]
+        [line] = [x for x in lines if x.startswith("Use: ") and f"[{pipeline}: " in x]
+        slower = f"{ratio:.2f}x your folder (slower: the folder is faster here)"
+        times = f"{ratio:.1f}x your folder" if ratio >= 1 else slower
         assert line.startswith(f"Use: {best['dataset']}, store {best['store']}, in-process loader "
-                               f"({best['threads']} threads): {ratio:.1f}x your folder "
-                               f"({best['samples_per_s']:,.0f} img/s vs {folder['samples_per_s']:,.0f};")
+                               f"({best['threads']} threads): {times} "
+                               f"({best['samples_per_s']:,.0f} img/s vs {folder['samples_per_s']:,.0f}, ")
         assert lines.index(line) < lines.index(next(x for x in lines if x.startswith("machine: ")))
     chart = results["chart"]
     if importlib.util.find_spec("matplotlib") is None:
@@ -403,7 +405,11 @@ def test_summary_picks_the_fastest_packed_row_against_the_folder_at_its_fastest(
     assert (choice["row"]["dataset"], choice["row"]["workers"], choice["folder"]["workers"]) == ("lmdb", 2, 2)
     assert choice["ratio"] == pytest.approx(1234 / 202)
     [line] = bench.summary_lines({"rows": rows})
-    assert line.startswith("Use: lmdb, store jpeg, 2 worker processes: 6.1x your folder (1,234 img/s vs 202;")
+    assert line.startswith("Use: lmdb, store jpeg, 2 worker processes: 6.1x your folder (1,234 img/s vs 202, "
+                           "the folder's fastest: 2 worker processes) [val: ")
+    slower = [r for r in rows if r["dataset"] == "folder" or r["samples_per_s"] < 200]
+    assert "0.74x your folder (slower: the folder is faster here)" in bench.summary_lines(
+        {"rows": [*slower, row("wds", "raw", 0, 150.0)]})[0]
     cold = bench.best_choice([r for r in rows if r["cache"] == "cold"], "val")
     assert cold["ratio"] == pytest.approx(9000 / 50)
     assert bench.summary_lines({"rows": rows, "chart": None})[1] == (

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..distribution import pip_hint
 
-PIPELINE_NAMES = {"val": "val (resize + centre crop)", "train": "train (random resized crop + flip)"}
+PIPELINE_NAMES = {"val": "val: resize + centre crop", "train": "train: random resized crop + flip"}
 
 
 def loader_label(row: dict[str, Any]) -> str:
@@ -51,12 +51,16 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         if choice is None:
             continue
         row, base, ratio = choice["row"], choice["folder"], choice["ratio"]
-        times = f"{ratio:.1f}x your folder" if ratio is not None else "your folder gave nothing"
-        where = f"{row['cache']} cache, epoch {row['epoch']}"
+        if ratio is None:
+            times = "your folder gave nothing"
+        elif ratio < 1:
+            times = f"{ratio:.2f}x your folder (slower: the folder is faster here)"
+        else:
+            times = f"{ratio:.1f}x your folder"
         lines.append(f"Use: {row['dataset']}, store {row['store']}, {loader_label(row)}: {times} "
-                     f"({row['samples_per_s']:,.0f} img/s vs {base['samples_per_s']:,.0f}; "
-                     f"{PIPELINE_NAMES.get(pipeline, pipeline)}, {where}; folder at its fastest, "
-                     f"{loader_label(base)})")
+                     f"({row['samples_per_s']:,.0f} img/s vs {base['samples_per_s']:,.0f}, the folder's fastest: "
+                     f"{loader_label(base)}) [{PIPELINE_NAMES.get(pipeline, pipeline)}, {row['cache']} cache, "
+                     f"epoch {row['epoch']}]")
     if results.get("warnings"):
         lines.append("These figures are not reliable: see the WARNING lines at the end.")
     if "chart" in results:
