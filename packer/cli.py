@@ -271,17 +271,19 @@ def verify(dest, deep, quiet) -> None:
               help="Size of the file read to measure the disk (0: skip).")
 @click.option("--no-limits", is_flag=True, help="Skip the decode, memory and disk ceilings.")
 @click.option("--tune", "tune_dest", default=None, type=click.Path(path_type=str),
-              help="DEST: sweep workers, batch size and prefetch factor on DEST; write DEST/loader.json.")
-@click.option("--batch-sizes", default="32,64,128", show_default=True, help="With --tune: batch sizes to try.")
+              help="DEST: sweep workers, threads, prefetch factor (and pinning, with CUDA) on DEST read as "
+              "--read-resize/--read-crop (--pipeline train: random resized crop) give, at --batch-size; write "
+              "DEST/loader.json.")
 @click.option("--prefetch-factors", default="2,4", show_default=True, help="With --tune: prefetch factors to try.")
 @click.option("--pipeline", "pipelines", default="val,train", show_default=True,
               help="val: read-time resize and centre crop; train: random resized crop + flip fused into decoding "
-              "(the folder baseline decodes with Pillow, as ImageFolder + torchvision's transforms).")
+              "(the folder baseline decodes with Pillow, as ImageFolder + torchvision's transforms). With --tune: "
+              "the first one named is the view tuned for.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @handle_errors
 def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, batch_size, workers, epochs, caches,
           step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits, tune_dest,
-          batch_sizes, prefetch_factors, pipelines, quiet) -> None:
+          prefetch_factors, pipelines, quiet) -> None:
     """Measure loading speed of SRC packed in each format and store against the folder itself; or, with
     --tune DEST, find the fastest loader settings for a packed dataset."""
     from . import bench as b
@@ -303,9 +305,10 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
     if tune_dest:
         if src:
             raise UsageError("give SRC to benchmark, or --tune DEST, not both")
-        data = b.tune(tune_dest, workers=counts, batch_sizes=b.split_ints(batch_sizes),
+        data = b.tune(tune_dest, workers=counts, batch_size=batch_size,
                       prefetch_factors=b.split_ints(prefetch_factors), read_resize=b.optional_size(read_resize),
-                      read_crop=b.optional_size(read_crop), progress=not quiet)
+                      read_crop=b.optional_size(read_crop), pipeline=b.split_names(pipelines)[0],
+                      progress=not quiet)
         click.echo(b.format_tune(data, tune_dest))
         return
     if not src:

@@ -25,7 +25,9 @@ Each default and why (every one can be overridden by keyword):
   and padded as ``DistributedSampler`` does so that every rank gets the same number of batches. The loader's
   ``state_dict()``/``load_state_dict()`` resume mid-epoch, exactly, at any world size.
 
-Settings tuned by ``packer bench --tune`` (``loader.json`` beside the manifest) are used when present.
+Loader settings tuned by ``packer bench --tune`` (``loader.json`` beside the manifest: ``num_workers``, ``threads``,
+``prefetch_factor``, ``pin_memory``; never ``batch_size``, a training hyperparameter) are used when present and tuned
+for the read-time view the dataset was opened with; an argument given explicitly always wins.
 """
 
 from __future__ import annotations
@@ -83,21 +85,61 @@ def seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
 
 
+TUNABLE = ("num_workers", "threads", "prefetch_factor", "pin_memory")  # loader settings only, never batch_size
+VIEW_KEYS = ("resize", "center_crop", "random_resized_crop", "flip", "decoder", "interpolation", "decode")
+
+
+def read_view(dataset: Any) -> dict[str, Any] | None:
+    """The read-time options a packed dataset was opened with (what each batch costs to make), as JSON values;
+    ``transform`` is recorded as whether there is one. None for datasets that are not packer's."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    view = {key: getattr(dataset, key, None) for key in VIEW_KEYS}
+    view["transform"] = dataset.transform is not None
+    return json.loads(json.dumps(view, default=str))
+
+
+def _describe_view(view: dict[str, Any]) -> str:
+    shown = [f"{k} {v}" for k, v in view.items() if v not in (None, False) and k not in ("decode", "interpolation")]
+    return ", ".join(shown) or "no read-time options"
+
+
 def tuned_settings(dataset: Dataset) -> dict[str, Any]:
-    """The settings ``packer bench --tune`` saved beside the dataset (``loader.json``), said on stderr; {} if none."""
+    """The loader settings ``packer bench --tune`` saved beside the dataset (``loader.json``): num_workers,
+    threads, prefetch_factor and pin_memory, never batch_size; {} if none, or (said in one line on stderr) if
+    they were tuned for another read-time view than the one ``dataset`` was opened with."""
     root = getattr(dataset, "root", None)
     path = root / TUNED if root is not None else None
     if path is None or not path.exists():
         return {}
     try:
-        settings = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except ValueError:
         return {}
-    allowed = {"num_workers", "batch_size", "prefetch_factor"}
-    settings = {k: v for k, v in settings.get("loader", {}).items() if k in allowed and isinstance(v, int)}
-    if settings:
-        print(f"packer: using tuned loader settings from {path}: {settings}", file=sys.stderr)
-    return settings
+    tuned_view = data.get("view")
+    view = read_view(dataset)
+    if tuned_view is not None and view is not None and tuned_view != view:
+        print(f"packer: not using the tuned loader settings in {path}: they were tuned for another view "
+              f"({_describe_view(tuned_view)}; this dataset: {_describe_view(view)}); run `packer bench --tune "
+              f"{root}` with this view to tune for it", file=sys.stderr)
+        return {}
+    loader = data.get("loader", {})
+    return {k: loader[k] for k in TUNABLE if isinstance(loader.get(k), (bool, int))
+            and (k == "pin_memory") == isinstance(loader.get(k), bool)}
+
+
+def _applied_tuned(tuned: dict[str, Any], threads: int | None, prefetch_batches: int | None,
+                   overrides: dict[str, Any]) -> dict[str, Any]:
+    """The tuned settings an explicit argument does not override (an explicit argument always wins)."""
+    given = set(overrides) | {k for k, v in (("threads", threads), ("prefetch_batches", prefetch_batches))
+                              if v is not None}
+    if "prefetch_batches" in given or "prefetch_factor" in given:
+        given.add("prefetch_factor")
+    if "threads" in given or "prefetch_batches" in given:  # the in-process loader was asked for
+        given.add("num_workers")
+    if overrides.get("num_workers"):  # worker processes: tuned threads belong to the tuned in-process loader
+        given.add("threads")
+    return {k: v for k, v in tuned.items() if k not in given}
 
 
 class PrefetchLoader(DataLoader):
@@ -369,10 +411,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
 
     Args:
         dataset: any map-style or iterable Dataset; packer's get the settings above.
-        batch_size: samples per batch (default: the tuned one, else 64).
+        batch_size: samples per batch (default 64; never tuned).
         shuffle: a new random order every epoch (from ``seed`` and the epoch).
         seed: the sample order's seed.
-        tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present (and say so on stderr);
+        tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present and tuned for this dataset's
+            read-time view (and say on stderr which settings apply: those no argument given here overrides);
             False ignores it and prints nothing.
         threads: decode threads per batch in the main process (default: the usable cores; 1 in workers).
             Giving it asks for the in-process loader.
@@ -389,9 +432,16 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
         A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
-    tuned_values = tuned_settings(dataset) if tuned else {}
+    tuned_values = _applied_tuned(tuned_settings(dataset), threads, prefetch_batches, overrides) if tuned else {}
+    if tuned_values:
+        print(f"packer: using tuned loader settings from {getattr(dataset, 'root', '')}/{TUNED}: {tuned_values}",
+              file=sys.stderr)
     if batch_size is None:
-        batch_size = tuned_values.get("batch_size", 64)
+        batch_size = 64
+    if threads is None and "threads" in tuned_values and tuned_values.get("num_workers", 0) == 0:
+        threads = tuned_values["threads"]
+    if "pin_memory" in tuned_values and "pin_memory" not in overrides:
+        overrides = {**overrides, "pin_memory": tuned_values["pin_memory"]}
     cuda = torch.cuda.is_available()
     packed = isinstance(dataset, PackedDataset)
     if packed and "num_workers" not in overrides and "num_workers" not in tuned_values:

@@ -150,22 +150,92 @@ def test_machine_and_settings_are_recorded(bench_run):
 def test_tune_writes_loader_json_that_make_loader_uses(tiny_folder, tmp_path, run_packer, capsys):
     dest = tmp_path / "ds"
     packer.pack(tiny_folder, dest, "lmdb", store="jpeg", resize=32, center_crop=24, progress=False)
-    proc = run_packer("bench", "--tune", dest, "--workers", "0,1", "--batch-sizes", "4,8", "--prefetch-factors",
-                      "2", "--quiet")
+    proc = run_packer("bench", "--tune", dest, "--workers", "0,1", "--batch-size", "4", "--prefetch-factors",
+                      "2", "--read-resize", "none", "--read-crop", "none", "--quiet")
     assert proc.returncode == 0, proc.stderr
     data = json.loads((dest / "loader.json").read_text())
     results = data["measured"]["results"]
-    assert sorted((r["num_workers"], r["batch_size"], r["prefetch_factor"]) for r in results) == [
-        (0, 4, 2), (0, 8, 2), (1, 4, 2), (1, 8, 2)]
+    threads = sorted({1, packer.system.usable_cores()})
+    assert sorted((r["num_workers"], r["threads"], r["prefetch_factor"]) for r in results) == [
+        *((0, t, 2) for t in threads), (1, 1, 2)]
+    assert {r["batch_size"] for r in results} == {4}, "every config reads the same batch size"
     best = max(results, key=lambda r: r["samples_per_s"])
-    assert data["loader"] == {k: best[k] for k in ("num_workers", "batch_size", "prefetch_factor")}
+    assert "batch_size" not in data["loader"]
+    assert {k: data["loader"][k] for k in ("num_workers", "prefetch_factor")} == {
+        k: best[k] for k in ("num_workers", "prefetch_factor")}
     assert data["measured"]["samples_per_s"] == best["samples_per_s"] > 0
 
     loader = packer.make_loader(packer.open_dataset(dest))
-    assert (loader.num_workers, loader.batch_size) == (best["num_workers"], best["batch_size"])
+    assert (loader.num_workers, loader.batch_size) == (best["num_workers"], 64), "batch_size is never tuned"
     prefetch = loader.prefetch_factor if best["num_workers"] else loader.prefetch_batches
     assert prefetch == best["prefetch_factor"]
+    if best["num_workers"] == 0:
+        assert loader.threads == best["threads"]
     assert "loader.json" in capsys.readouterr().err
+
+
+def _tuned(dest: Path, view: dict | None, **loader) -> None:
+    (dest / "loader.json").write_text(json.dumps({"loader": loader, **({"view": view} if view else {})}))
+
+
+@pytest.fixture
+def tuned_dest(tiny_folder, tmp_path) -> Path:
+    dest = tmp_path / "ds"
+    packer.pack(tiny_folder, dest, "lmdb", store="raw", resize=32, center_crop=24, progress=False)
+    return dest
+
+
+def test_explicit_arguments_win_silently_and_the_line_names_only_what_applies(tuned_dest, capsys):
+    from packer.loader import read_view
+
+    _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, threads=1, prefetch_factor=3,
+           batch_size=5)
+    ds = packer.open_dataset(tuned_dest)
+    loader = packer.make_loader(ds)
+    assert (loader.batch_size, loader.num_workers, loader.threads, loader.prefetch_batches) == (64, 0, 1, 3)
+    err = capsys.readouterr().err
+    assert "num_workers" in err and "prefetch_factor" in err and "batch_size" not in err
+    loader = packer.make_loader(ds, batch_size=256, prefetch_batches=2)
+    assert (loader.batch_size, loader.prefetch_batches, loader.threads) == (256, 2, 1)
+    [line] = capsys.readouterr().err.splitlines()
+    assert "prefetch_factor" not in line and "num_workers" not in line and "batch_size" not in line
+    assert "'threads': 1" in line
+    loader = packer.make_loader(ds, num_workers=0, threads=2, prefetch_batches=1)
+    assert (loader.num_workers, loader.threads, loader.prefetch_batches) == (0, 2, 1)
+    assert capsys.readouterr().err == "", "nothing tuned applies: nothing said"
+
+
+def test_settings_tuned_for_another_view_are_not_applied(tuned_dest, capsys):
+    from packer.loader import read_view
+
+    _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, prefetch_factor=3)
+    cropped = packer.open_dataset(tuned_dest, random_resized_crop=16, flip=True)
+    loader = packer.make_loader(cropped)
+    assert loader.batch_size == 64 and not (loader.num_workers == 0 and loader.prefetch_batches == 3)
+    [line] = capsys.readouterr().err.splitlines()
+    assert "another view" in line and "random_resized_crop" in line and "packer bench --tune" in line
+
+
+def test_tune_records_the_view_and_warns_when_its_figures_are_noise(tuned_dest, capsys):
+    data = bench.tune(tuned_dest, workers=[0], prefetch_factors=[2], batch_size=4, samples=4, min_seconds=0,
+                      read_resize=None, read_crop=24, pipeline="train", progress=False)
+    # the train view: the random resized crop at the output size (the stored one, 24), with flips
+    assert data["view"]["random_resized_crop"] == [24, 24] and data["view"]["flip"] is True
+    assert data["measured"]["noise"] and "these figures are noise" in data["measured"]["noise"]
+    assert f"packer: warning: {data['measured']['noise']}" in capsys.readouterr().err.splitlines()
+    assert "WARNING: " in bench.format_tune(data, tuned_dest)
+    plain = packer.make_loader(packer.open_dataset(tuned_dest))
+    assert "another view" in capsys.readouterr().err and plain.batch_size == 64
+    train = packer.make_loader(packer.open_dataset(tuned_dest, random_resized_crop=24, flip=True))
+    assert "using tuned loader settings" in capsys.readouterr().err and train.num_workers == 0
+
+
+def test_noise_warning_needs_two_batches_and_two_seconds_per_config():
+    enough = {"batches": 40, "seconds": 3.0}
+    assert bench.noise_warning([enough]) is None
+    assert "noise" in bench.noise_warning([enough, {"batches": 1, "seconds": 5.0}])
+    assert "1 batches in 5.00 s" in bench.noise_warning([enough, {"batches": 1, "seconds": 5.0}])
+    assert bench.noise_warning([{"batches": 100, "seconds": 0.5}]).startswith("1 of 1 configs")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -297,3 +367,50 @@ def test_shuffle_quality_section_compares_the_orders(bench_run):
     assert orders["packed order (no shuffle)"] > 0.4
     assert orders["make_loader(shuffle=True)"] < orders["packed order (no shuffle)"]
     assert "## Shuffle quality" in (out / "results.md").read_text()
+
+
+def test_first_screen_says_what_to_use_and_how_much_faster_before_the_table(bench_run):
+    proc, out, results = bench_run
+    lines = proc.stdout.splitlines()
+    for pipeline in ("val", "train"):
+        steady = [r for r in results["rows"] if r["pipeline"] == pipeline and r["cache"] == "warm"]
+        best = max((r for r in steady if r["dataset"] != "folder"), key=lambda r: r["samples_per_s"])
+        folder = max((r for r in steady if r["dataset"] == "folder"), key=lambda r: r["samples_per_s"])
+        ratio = best["samples_per_s"] / folder["samples_per_s"]
+        [line] = [x for x in lines if x.startswith("Use: ") and f"[{pipeline}: " in x]
+        slower = f"{ratio:.2f}x your folder (slower: the folder is faster here)"
+        times = f"{ratio:.1f}x your folder" if ratio >= 1 else slower
+        assert line.startswith(f"Use: {best['dataset']}, store {best['store']}, in-process loader "
+                               f"({best['threads']} threads): {times} "
+                               f"({best['samples_per_s']:,.0f} img/s vs {folder['samples_per_s']:,.0f}, ")
+        assert lines.index(line) < lines.index(next(x for x in lines if x.startswith("machine: ")))
+    chart = results["chart"]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert chart is None
+        assert "no chart: matplotlib is not installed; pip install 'packer-data[bench]' draws one" in lines
+    else:
+        assert f"chart: {chart}" in lines and Path(chart).exists()
+    assert lines[1].startswith("Use: ") and "Use: " in (out / "results.txt").read_text().splitlines()[0]
+
+
+def test_summary_picks_the_fastest_packed_row_against_the_folder_at_its_fastest():
+    def row(dataset, store, workers, rate, cache="warm", epoch=2):
+        return {"dataset": dataset, "store": store, "pipeline": "val", "workers": workers, "threads": 2,
+                "cache": cache, "epoch": epoch, "samples_per_s": rate}
+
+    rows = [row("folder", "files", 0, 150.0), row("folder", "files", 2, 202.0), row("lmdb", "jpeg", 0, 900.0),
+            row("lmdb", "jpeg", 2, 1234.0), row("wds", "raw", 2, 1100.0), row("hdf5", "raw", 2, 5000.0, epoch=1),
+            row("hdf5", "raw", 2, 9000.0, cache="cold", epoch=1), row("folder", "files", 2, 50.0, "cold", 1)]
+    choice = bench.best_choice(rows, "val")
+    assert (choice["row"]["dataset"], choice["row"]["workers"], choice["folder"]["workers"]) == ("lmdb", 2, 2)
+    assert choice["ratio"] == pytest.approx(1234 / 202)
+    [line] = bench.summary_lines({"rows": rows})
+    assert line.startswith("Use: lmdb, store jpeg, 2 worker processes: 6.1x your folder (1,234 img/s vs 202, "
+                           "the folder's fastest: 2 worker processes) [val: ")
+    slower = [r for r in rows if r["dataset"] == "folder" or r["samples_per_s"] < 200]
+    assert "0.74x your folder (slower: the folder is faster here)" in bench.summary_lines(
+        {"rows": [*slower, row("wds", "raw", 0, 150.0)]})[0]
+    cold = bench.best_choice([r for r in rows if r["cache"] == "cold"], "val")
+    assert cold["ratio"] == pytest.approx(9000 / 50)
+    assert bench.summary_lines({"rows": rows, "chart": None})[1] == (
+        "no chart: matplotlib is not installed; pip install 'packer-data[bench]' draws one")

@@ -412,7 +412,7 @@ def test_tuned_false_ignores_loader_json_silently(tmp_path, sample_data, capsys)
     tuned = packer.make_loader(ds)
     # batches ahead: per worker process (the default on 2+ cores), or the in-process loader's
     ahead = lambda loader: loader.prefetch_factor if loader.num_workers else loader.prefetch_batches  # noqa: E731
-    assert (tuned.batch_size, ahead(tuned)) == (5, 2)
+    assert (tuned.batch_size, ahead(tuned)) == (64, 2), "batch_size is never tuned: loader.json's is ignored"
     assert "loader.json" in capsys.readouterr().err
     plain = packer.make_loader(ds, tuned=False)
     assert (plain.batch_size, ahead(plain)) == (64, 4)
@@ -442,8 +442,10 @@ def test_make_loader_uses_tuned_settings_and_overrides_win(tmp_path, sample_data
                                                              "prefetch_factor": 3}}))
     ds = packer.open_dataset(dest)
     tuned = packer.make_loader(ds)
-    assert (tuned.batch_size, tuned.num_workers, tuned.prefetch_factor) == (5, 1, 3)
-    assert sorted(len(labels) for _, labels in tuned) == [2, 5, 5]
+    # batch_size is never tuned (a training hyperparameter): loader.json's is ignored, the caller's default used
+    assert (tuned.batch_size, tuned.num_workers, tuned.prefetch_factor) == (64, 1, 3)
+    assert sorted(len(labels) for _, labels in tuned) == [12]
+    assert sorted(len(labels) for _, labels in packer.make_loader(ds, batch_size=5)) == [2, 5, 5]
     mine = packer.make_loader(ds, batch_size=4, num_workers=0)
     assert (mine.batch_size, mine.num_workers) == (4, 0)
 

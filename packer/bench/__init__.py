@@ -20,13 +20,15 @@ Each row is the median of ``repeats`` runs (3 by default), each with a fresh loa
 at the start and the end of the run; a busy machine, or fewer than 20 batches an epoch, is warned about in the
 text, the JSON and on the chart.
 
-:func:`tune` sweeps workers, batch size and prefetch factor on one packed dataset and writes the fastest to
-``DEST/loader.json``, which :func:`packer.make_loader` then uses.
+:func:`tune` sweeps the loader's settings (workers, decode threads, prefetch factor, pinning; never the batch size)
+on one packed dataset, for one read-time view, and writes the fastest with that view to ``DEST/loader.json``, which
+:func:`packer.make_loader` then uses for that view.
 
 Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cache`` (warm, evict, resident),
 ``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
 and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
-``chart`` (bench.png), ``tune`` (``DEST/loader.json``) and ``run`` (:func:`run_bench`).
+``chart`` (bench.png), ``summary`` (the first screen: what to use, how much faster), ``tune``
+(``DEST/loader.json``) and ``run`` (:func:`run_bench`).
 """
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
@@ -54,15 +56,18 @@ from .report import (
                      write_outputs,
 )
 from .run import DEFAULT_OUT, default_workers, optional_size, run_bench, split_ints, split_names
+from .summary import best_choice, summary_lines
 from .targets import Size, Target, Variant, folder_target, pack_target, packed_target, parse_variant, read_geometry
-from .tune import format_tune, tune, tune_workers
+from .tune import format_tune, noise_warning, tune, tune_workers
 
 __all__ = [
     "DEFAULT_OUT", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
+    "best_choice", "summary_lines",
     "WARMUP_BATCHES", "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
     "dataset_files", "decode_rates", "default_workers", "describe_load", "describe_machine", "disk_read_speed",
     "evict", "filesystem_type", "folder_target", "format_table", "format_tune", "interleaved_ceiling", "limits_lines",
-    "load_average", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "open_train",
+    "load_average", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "noise_warning",
+    "open_train",
     "optional_size", "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot",
     "prewarm", "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
     "run_epochs", "split_ints", "split_names", "train_size", "tune", "tune_workers", "write_outputs"

@@ -3,6 +3,7 @@ results.json and the chart."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from .chart import plot
 from .machine import describe_load, describe_machine
 from .measure import WARMUP_BATCHES
 from .shuffle_quality import quality_lines
+from .summary import summary_lines
 
 MIN_BATCHES = 20  # batches per epoch under which rates are too short to time
 SAMPLE_DATA = "python scripts/make_sample_data.py bench-data --per-class 600"  # 5 classes: 3,000 images
@@ -90,6 +92,7 @@ def conversion_lines(results: dict[str, Any]) -> list[str]:
 
 def render_markdown(results: dict[str, Any]) -> str:
     parts = ["# packer bench results", ""] + [f"**Warning:** {line}\n" for line in results.get("warnings", [])]
+    parts += [f"{line}  " for line in summary_lines(results)] + [""]
     parts += [f"Command: `{results['command']}`", "", f"Machine: {describe_machine(results['machine'])}", ""]
     if results.get("load_average"):
         parts += [f"The {describe_load(results['load_average'])}.", ""]
@@ -106,21 +109,26 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def write_outputs(results: dict[str, Any], out: str | os.PathLike) -> dict[str, str]:
-    """results.json, results.md, results.txt (the table) and bench.png in ``out``."""
+    """bench.png (when matplotlib is installed; ``results["chart"]`` says where, or None), results.json,
+    results.md and results.txt (the summary and the table) in ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "txt": out / "results.txt",
              "png": out / "bench.png"}
+    drawn = importlib.util.find_spec("matplotlib") is not None and plot(results, paths["png"])
+    results["chart"] = str(paths["png"]) if drawn else None  # the summary says why there is none
+    if not drawn:
+        del paths["png"]
     paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
     paths["md"].write_text(render_markdown(results))
     paths["txt"].write_text(render_text(results))
-    if not plot(results, paths["png"]):
-        del paths["png"]
     return {k: str(v) for k, v in paths.items()}
 
 
 def render_text(results: dict[str, Any]) -> str:
-    parts = [f"machine: {describe_machine(results['machine'])}", "", format_table(results["rows"]), ""]
+    summary = summary_lines(results)
+    parts = [*summary, *([""] if summary else []), f"machine: {describe_machine(results['machine'])}", "",
+             format_table(results["rows"]), ""]
     parts += limits_lines(results)
     parts += conversion_lines(results)
     if results.get("shuffle_quality"):
