@@ -123,11 +123,12 @@ def _check_geometry(data: dict, spec, where: str) -> None:
 
 def label_bounds(manifest: dict) -> tuple[int, int]:
     """``(low, high)``: the labels a dataset's samples may have, ``low <= label < high``. A dataset whose
-    ``fields`` list holds no field of kind ``class`` stores -1 for "no label"."""
+    ``fields`` list holds no field of kind ``class`` stores -1 ("no label") and nothing else: a class index there
+    means the manifest lost its class field."""
     fields = manifest.get("fields")
     unlabelled = isinstance(fields, list) and not any(isinstance(f, dict) and f.get("kind") == "class"
                                                        for f in fields)
-    return (-1 if unlabelled else 0), len(manifest.get("classes", []))
+    return (-1, 0) if unlabelled else (0, len(manifest.get("classes", [])))
 
 
 def max_manifest_bytes() -> int:

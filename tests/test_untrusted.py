@@ -212,11 +212,16 @@ def test_labels_out_of_range(packs, tmp_path, fmt, label):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_minus_one_is_the_label_of_a_dataset_without_class_labels(packs, tmp_path, fmt):
+    lost = copy(packs, tmp_path / "lost", fmt)  # a class index where the manifest says there is no class
+    set_labels(lost, fmt, 2)
+    edit_manifest(lost, fields=[{"name": "image", "kind": "image"}])
+    one_line_error(CorruptDataError, "label 2 is not a class index", lambda: packer.open_dataset(lost)[0])
     dest = copy(packs, tmp_path, fmt)
     set_labels(dest, fmt, -1)
     edit_manifest(dest, fields=[{"name": "image", "kind": "image"}])
     ds = packer.open_dataset(dest)
-    assert [ds[i][1] for i in range(len(ds))] == [-1] * 12
+    assert all(list(ds[i]) == ["image"] for i in range(len(ds)))  # no class: the sample has no label entry
+    assert [ds.reader.read(i).label for i in range(len(ds))] == [-1] * 12
     edit_manifest(dest, fields=[{"name": "image", "kind": "image"}, {"name": "label", "kind": "class"}])
     one_line_error(CorruptDataError, "label -1 is not a class index", lambda: packer.open_dataset(dest)[0])
 
