@@ -10,11 +10,14 @@ ranks, with no ``set_epoch`` call to forward to workers.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from .blocks import block_order, check_starts, deal_steps, layout
 
 
 class EpochIndex(int):
@@ -37,7 +40,8 @@ class EpochIndex(int):
 
 STATE_VERSION = 1
 # what a state must agree on with the loader that loads it: anything else changes the order or the batches
-_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length")
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "block_window", "blocks")
+BLOCKS = "blocks"  # shuffle="blocks": the block-aware order of packer.blocks
 
 
 def distributed_rank_world() -> tuple[int, int]:
@@ -55,7 +59,11 @@ class EpochPass:
     The global order is a permutation of the dataset from ``(seed, epoch)`` (``0..N-1`` without shuffle); past
     its end it wraps around, which pads the ranks as ``DistributedSampler`` does. Rank r reads positions
     ``start + r``, ``start + r + world``... so after every rank has taken k batches of B, the samples taken are
-    exactly the positions before ``start + k * B * world``: one global number, valid at any world size."""
+    exactly the positions before ``start + k * B * world``: one global number, valid at any world size.
+
+    With ``shuffle="blocks"`` the global order is :func:`packer.blocks.block_order` of ``blocks`` (the block
+    start indices) and ``window``, and batch k of every rank comes from positions ``start + k * B * world``
+    onwards, grouped by block (:func:`packer.blocks.deal_steps`): the same rule for the samples taken."""
 
     epoch: int
     start: int
@@ -64,8 +72,10 @@ class EpochPass:
     length: int
     batch_size: int
     seed: int
-    shuffle: bool
+    shuffle: bool | str
     drop_last: bool
+    blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
+    window: int | None = None
 
     @property
     def per_rank(self) -> int:
@@ -80,6 +90,8 @@ class EpochPass:
         return -(-self.per_rank // self.batch_size)
 
     def order(self) -> torch.Tensor:
+        if self.shuffle == BLOCKS:
+            return torch.from_numpy(block_order(self.blocks, self.length, self.window, self.seed, self.epoch)[0])
         if not self.shuffle:
             return torch.arange(self.length)
         generator = torch.Generator()
@@ -90,6 +102,9 @@ class EpochPass:
         """This rank's sample indices for the pass, in order."""
         if self.per_rank == 0:
             return []
+        if self.shuffle == BLOCKS:
+            order, place = block_order(self.blocks, self.length, self.window, self.seed, self.epoch)
+            return order[deal_steps(place, self.start, self.per_rank, self.batch_size, self.world, self.rank)].tolist()
         positions = torch.arange(self.per_rank) * self.world + (self.start + self.rank)
         return self.order()[positions % self.length].tolist()
 
@@ -104,9 +119,12 @@ class EpochPass:
 
 
 def make_state(epoch: int, position: int, world: int, settings: Any) -> dict[str, Any]:
-    return {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
-            "batch_size": settings.batch_size, "seed": settings.seed, "shuffle": settings.shuffle,
-            "drop_last": settings.drop_last, "dataset_length": settings.length}
+    state = {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
+             "batch_size": settings.batch_size, "seed": settings.seed, "shuffle": settings.shuffle,
+             "drop_last": settings.drop_last, "dataset_length": settings.length}
+    if settings.shuffle == BLOCKS:  # the order depends on the blocks and the window too
+        state.update(block_window=settings.window, blocks=layout(settings.blocks))
+    return state
 
 
 def check_state(state: Any, settings: Any) -> tuple[int, int]:
@@ -118,9 +136,9 @@ def check_state(state: Any, settings: Any) -> tuple[int, int]:
         raise ValueError(f"not a packer loader state (version {STATE_VERSION}): {str(state)[:200]}")
     mine = make_state(0, 0, 1, settings)
     for key in _MUST_MATCH:
-        if state.get(key) != mine[key]:
+        if state.get(key) != mine.get(key):
             raise ValueError(f"the loader state was saved with {key}={state.get(key)!r}, this loader has "
-                             f"{key}={mine[key]!r}; resume with the same {key}")
+                             f"{key}={mine.get(key)!r}; resume with the same {key}")
     epoch, position = int(state["epoch"]), int(state["samples_seen"])
     if epoch < 0 or not 0 <= position <= settings.length:
         raise ValueError(f"the loader state has epoch {epoch}, samples_seen {position} (dataset of "
@@ -144,17 +162,31 @@ class ResumableSampler(Sampler[EpochIndex]):
     Args:
         data_source: the dataset, or its length.
         batch_size: the loader's batch size: with ``drop_last`` each rank gets whole batches only.
-        shuffle: a new permutation every epoch, else dataset order.
+        shuffle: a new permutation every epoch; ``"blocks"``, the block-aware order of :mod:`packer.blocks`
+            (with ``blocks`` and ``window``); else dataset order.
         seed: the permutations' seed; the same on every rank.
         drop_last: drop the last partial batch of every rank (no padding with repeated samples).
         num_replicas, rank: the world size and this rank; from ``torch.distributed`` when initialized, else 1, 0.
+        blocks: with ``shuffle="blocks"``, the start index of every block (increasing from 0: a reader's
+            ``blocks()``).
+        window: with ``shuffle="blocks"``, how many consecutive blocks of the epoch's block order are mixed.
     """
 
-    def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None):
+    def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool | str = True, seed: int = 0,
+                 drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None,
+                 blocks: np.ndarray | list[int] | None = None, window: int = 4):
         self.length = data_source if isinstance(data_source, int) else len(data_source)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if isinstance(shuffle, str) and shuffle != BLOCKS:
+            raise ValueError(f"shuffle must be True, False or {BLOCKS!r}, not {shuffle!r}")
+        self.blocks, self.window = None, None
+        if shuffle == BLOCKS:
+            if blocks is None:
+                raise ValueError("shuffle='blocks' needs the blocks' start indices (blocks=, a reader's blocks())")
+            if window < 1:
+                raise ValueError(f"block_window must be at least 1, not {window}")
+            self.blocks, self.window = check_starts(blocks, self.length), int(window)
         dist_rank, dist_world = distributed_rank_world()
         self.world = dist_world if num_replicas is None else num_replicas
         self.rank = dist_rank if rank is None else rank
@@ -175,7 +207,7 @@ class ResumableSampler(Sampler[EpochIndex]):
     def next_pass(self) -> EpochPass:
         """The pass the next iteration will make (nothing changes until it starts)."""
         return EpochPass(self._next_epoch, self._resume_at, self.world, self.rank, self.length, self.batch_size,
-                         self.seed, self.shuffle, self.drop_last)
+                         self.seed, self.shuffle, self.drop_last, self.blocks, self.window)
 
     def __len__(self) -> int:
         current = self._current

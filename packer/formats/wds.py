@@ -573,6 +573,14 @@ class WdsReader(Reader):
             return self._as_array(index, sample, "uint8")
         return super().stored_array(index, sample)
 
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
+        self.open()
+        shard = np.asarray(self.index["shard"], dtype=np.int64)
+        if shard.size == 0:
+            return np.zeros(0, np.int64)
+        return np.concatenate([[0], np.flatnonzero(np.diff(shard)) + 1]).astype(np.int64)
+
     def relpath(self, index: int) -> str:
         if self.foreign is not None:
             return str(self.foreign.relpaths[index])
