@@ -284,6 +284,14 @@ def blocks_by_size(sizes: np.ndarray, target_bytes: int) -> np.ndarray:
     return np.unique(np.searchsorted(begins, marks, side="left"))
 
 
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal ``values`` begins (block starts over, say, each sample's shard number)."""
+    values = np.asarray(values)
+    if values.size == 0:
+        return np.zeros(0, np.int64)
+    return np.concatenate([[0], np.flatnonzero(values[1:] != values[:-1]) + 1]).astype(np.int64)
+
+
 _REGISTRY: dict[str, tuple[type[Writer], type[Reader]]] = {}
 
 

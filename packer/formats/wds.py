@@ -54,7 +54,7 @@ from ..errors import CorruptDataError, PackerError, warn
 from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
-from .base import Reader, Sample, Writer, register
+from .base import Reader, Sample, Writer, register, run_starts
 from .identity import FileId, changed_error, check_unchanged, file_id
 from .wds_members import image_ext, member_bytes, member_suffix, npy_bytes, stored_bytes
 
@@ -576,10 +576,7 @@ class WdsReader(Reader):
     def blocks(self, target_bytes: int) -> np.ndarray:
         """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
         self.open()
-        shard = np.asarray(self.index["shard"], dtype=np.int64)
-        if shard.size == 0:
-            return np.zeros(0, np.int64)
-        return np.concatenate([[0], np.flatnonzero(np.diff(shard)) + 1]).astype(np.int64)
+        return run_starts(self.index["shard"])
 
     def relpath(self, index: int) -> str:
         if self.foreign is not None:
