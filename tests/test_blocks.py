@@ -299,3 +299,19 @@ def test_order_labels_are_the_loaders(packs):
     loader = packer.make_loader(ds, BATCH, shuffle="blocks", seed=SEED, block_window=WINDOW, num_workers=0)
     read = [label for _, batch in loader for label in batch.tolist()]
     assert order_labels(labels, BATCH, "blocks", SEED, blocks=ds.blocks(), window=WINDOW).tolist() == read
+
+
+def test_drop_last_gives_every_rank_whole_batches_of_distinct_samples():
+    starts = np.array([0, 7, 20, 26, 40, 51, 63, 70, 88])
+    ranks = [[int(i) for i in ResumableSampler(97, batch_size=4, shuffle="blocks", seed=1, drop_last=True,
+                                               num_replicas=3, rank=r, blocks=starts, window=2)] for r in range(3)]
+    assert [len(part) for part in ranks] == [32] * 3
+    seen = [i for part in ranks for i in part]
+    assert len(set(seen)) == len(seen) == 96
+
+
+def test_an_image_folder_is_one_block_a_file(packs):
+    folder = packer.FolderDataset(packs["lmdb"].parent / "src")
+    assert folder.blocks().tolist() == list(range(COUNT))
+    loader = packer.make_loader(folder, BATCH, shuffle="blocks", num_workers=0)
+    assert sorted(int(i) for i in loader.sampler) == list(range(COUNT))
