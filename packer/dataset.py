@@ -142,6 +142,12 @@ class PackedDataset(Decoding, Dataset):
         replaced data file is reported before any sample is asked for."""
         self.reader.open()
 
+    def blocks(self, target_bytes: int = 64 << 20) -> np.ndarray:
+        """The start index of each block of about ``target_bytes`` that the reader reads sequentially (a
+        WebDataset shard; a byte range of an LMDB or HDF5 file; never across two parts of a torchrun-converted
+        dataset): what ``make_loader(shuffle="blocks")`` shuffles. An increasing int64 array from 0."""
+        return self.reader.blocks(target_bytes)
+
     def relpath(self, index: int) -> str:
         """The sample's path relative to the source folder, with '/' separators."""
         return self.reader.relpath(self.reader.check_index(index))

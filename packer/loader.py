@@ -49,12 +49,14 @@ from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
 from .fieldbatch import FieldBatch
-from .sampler import ResumableSampler
+from .options import parse_bytes
+from .sampler import BLOCKS, ResumableSampler
 from .state import CountingIterator, Progress
 from .system import cores_per_rank, die_with_parent
 from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
 
 TUNED = "loader.json"
+BLOCK_BYTES = 64 << 20  # shuffle="blocks": an LMDB or HDF5 block
 
 
 def collate(batch: list) -> Any:
@@ -388,15 +390,27 @@ def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: A
                          f"{type(dataset).__name__}")
     arguments.optional_int("batch_size", batch_size, 1)
     for name, value in (("shuffle", shuffle), ("tuned", tuned), ("drop_last", drop_last)):
-        arguments.flag(name, value)
+        if not (name == "shuffle" and value == BLOCKS):
+            arguments.flag(name, value)
     arguments.seed("seed", seed)
     arguments.optional_int("threads", threads, 1)
     arguments.optional_int("prefetch_batches", prefetch_batches, 0)
 
 
-def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool = True, *, seed: int = 0,
+
+def _block_starts(dataset: Dataset, block_bytes: int | str) -> np.ndarray:
+    """The dataset's blocks for ``shuffle="blocks"``; a one-line error for a dataset that has none."""
+    blocks = getattr(dataset, "blocks", None)
+    if not callable(blocks):
+        raise PackerError(f"shuffle='blocks' needs a dataset that knows its blocks (packer.open_dataset's); "
+                          f"{type(dataset).__name__} has none: use shuffle=True")
+    return blocks(parse_bytes(block_bytes))
+
+
+def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool | str = True, *, seed: int = 0,
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
-                drop_last: bool = False, **overrides: Any) -> PrefetchLoader:
+                drop_last: bool = False, block_window: int = 4, block_bytes: int | str = BLOCK_BYTES,
+                **overrides: Any) -> PrefetchLoader:
     """A ``torch.utils.data.DataLoader`` over ``dataset`` with the defaults above; ``overrides`` win.
 
     The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart make the same
@@ -412,7 +426,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     Args:
         dataset: any map-style or iterable Dataset; packer's get the settings above.
         batch_size: samples per batch (default 64; never tuned).
-        shuffle: a new random order every epoch (from ``seed`` and the epoch).
+        shuffle: a new random order every epoch (from ``seed`` and the epoch). ``"blocks"``: a block-aware
+            order (:mod:`packer.blocks`) for datasets larger than memory: blocks the reader reads sequentially (a
+            WebDataset shard, ``block_bytes`` of an LMDB or HDF5 file) in a random order, the samples of each
+            ``block_window`` consecutive blocks shuffled together; under ``torch.distributed`` each rank takes
+            whole blocks where it can. Resumes exactly at any world size, like ``True``.
         seed: the sample order's seed.
         tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present and tuned for this dataset's
             read-time view (and say on stderr which settings apply: those no argument given here overrides);
@@ -423,6 +441,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
             4; 0 with worker processes, which prefetch ``prefetch_factor`` batches each). Giving it asks for the
             in-process loader.
         drop_last: drop the last, smaller batch of each epoch.
+        block_window: with ``shuffle="blocks"``, how many blocks are mixed together (and read at a time).
+        block_bytes: with ``shuffle="blocks"``, the size of an LMDB or HDF5 block (an int, or "64MB").
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
     Raises:
@@ -463,8 +483,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool =
     if pin_batches:
         settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it
     if "sampler" not in overrides and "batch_sampler" not in overrides and not isinstance(dataset, IterableDataset):
+        starts = _block_starts(dataset, block_bytes) if shuffle == BLOCKS else None
         settings["sampler"] = ResumableSampler(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                               drop_last=drop_last)
+                                               drop_last=drop_last, blocks=starts, window=block_window)
     settings.update(overrides)
     if settings.get("batch_sampler") is not None:
         for key in ("batch_size", "drop_last", "sampler"):

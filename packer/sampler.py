@@ -10,12 +10,14 @@ ranks, with no ``set_epoch`` call to forward to workers.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from .blocks import block_order, check_starts, deal_steps, layout
 from .state import STATE_VERSION, StateSchema, check_state
 
 
@@ -37,6 +39,9 @@ class EpochIndex(int):
         return f"EpochIndex({int(self)}, epoch={self.epoch})"
 
 
+BLOCKS = "blocks"  # shuffle="blocks": the block-aware order of packer.blocks
+
+
 def distributed_rank_world() -> tuple[int, int]:
     """This process's rank and the world size under ``torch.distributed``, else ``(0, 1)``."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -52,7 +57,11 @@ class EpochPass:
     The global order is a permutation of the dataset from ``(seed, epoch)`` (``0..N-1`` without shuffle); past
     its end it wraps around, which pads the ranks as ``DistributedSampler`` does. Rank r reads positions
     ``start + r``, ``start + r + world``... so after every rank has taken k batches of B, the samples taken are
-    exactly the positions before ``start + k * B * world``: one global number, valid at any world size."""
+    exactly the positions before ``start + k * B * world``: one global number, valid at any world size.
+
+    With ``shuffle="blocks"`` the global order is :func:`packer.blocks.block_order` of ``blocks`` (the block
+    start indices) and ``window``, and batch k of every rank comes from positions ``start + k * B * world``
+    onwards, grouped by block (:func:`packer.blocks.deal_steps`): the same rule for the samples taken."""
 
     epoch: int
     start: int
@@ -61,8 +70,10 @@ class EpochPass:
     length: int
     batch_size: int
     seed: int
-    shuffle: bool
+    shuffle: bool | str
     drop_last: bool
+    blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
+    window: int | None = None
 
     @property
     def per_rank(self) -> int:
@@ -77,6 +88,8 @@ class EpochPass:
         return -(-self.per_rank // self.batch_size)
 
     def order(self) -> torch.Tensor:
+        if self.shuffle == BLOCKS:
+            return torch.from_numpy(block_order(self.blocks, self.length, self.window, self.seed, self.epoch)[0])
         if not self.shuffle:
             return torch.arange(self.length)
         generator = torch.Generator()
@@ -87,6 +100,9 @@ class EpochPass:
         """This rank's sample indices for the pass, in order."""
         if self.per_rank == 0:
             return []
+        if self.shuffle == BLOCKS:
+            order, place = block_order(self.blocks, self.length, self.window, self.seed, self.epoch)
+            return order[deal_steps(place, self.start, self.per_rank, self.batch_size, self.world, self.rank)].tolist()
         positions = torch.arange(self.per_rank) * self.world + (self.start + self.rank)
         return self.order()[positions % self.length].tolist()
 
@@ -105,16 +121,21 @@ _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length")
 
 
 def make_state(epoch: int, position: int, world: int, settings: Any) -> dict[str, Any]:
-    return {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
-            "batch_size": int(settings.batch_size), "seed": int(settings.seed), "shuffle": bool(settings.shuffle),
-            "drop_last": bool(settings.drop_last), "dataset_length": int(settings.length)}
+    state = {"version": STATE_VERSION, "epoch": epoch, "samples_seen": position, "world_size": world,
+             "batch_size": int(settings.batch_size), "seed": int(settings.seed),
+             "shuffle": BLOCKS if settings.shuffle == BLOCKS else bool(settings.shuffle),
+             "drop_last": bool(settings.drop_last), "dataset_length": int(settings.length)}
+    if settings.shuffle == BLOCKS:  # the order depends on the blocks and the window too
+        state.update(block_window=int(settings.window), blocks=layout(settings.blocks))
+    return state
 
 
 def state_schema(settings: Any) -> StateSchema:
     """What a loader state must hold to be loaded by a loader with ``settings`` (a sampler or an
     :class:`EpochPass`): anything that changes the order or the batches must match; ``world_size`` may differ."""
     mine = make_state(0, 0, 1, settings)
-    return StateSchema("loader", "samples_seen", settings.length, {key: mine[key] for key in _MUST_MATCH},
+    keys = _MUST_MATCH + (("block_window", "blocks") if settings.shuffle == BLOCKS else ())
+    return StateSchema("loader", "samples_seen", settings.length, {key: mine[key] for key in keys},
                        free=("world_size",))
 
 
@@ -134,17 +155,31 @@ class ResumableSampler(Sampler[EpochIndex]):
     Args:
         data_source: the dataset, or its length.
         batch_size: the loader's batch size: with ``drop_last`` each rank gets whole batches only.
-        shuffle: a new permutation every epoch, else dataset order.
+        shuffle: a new permutation every epoch; ``"blocks"``, the block-aware order of :mod:`packer.blocks`
+            (with ``blocks`` and ``window``); else dataset order.
         seed: the permutations' seed; the same on every rank.
         drop_last: drop the last partial batch of every rank (no padding with repeated samples).
         num_replicas, rank: the world size and this rank; from ``torch.distributed`` when initialized, else 1, 0.
+        blocks: with ``shuffle="blocks"``, the start index of every block (increasing from 0: a reader's
+            ``blocks()``).
+        window: with ``shuffle="blocks"``, how many consecutive blocks of the epoch's block order are mixed.
     """
 
-    def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None):
+    def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool | str = True, seed: int = 0,
+                 drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None,
+                 blocks: np.ndarray | list[int] | None = None, window: int = 4):
         self.length = data_source if isinstance(data_source, int) else len(data_source)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if isinstance(shuffle, str) and shuffle != BLOCKS:
+            raise ValueError(f"shuffle must be True, False or {BLOCKS!r}, not {shuffle!r}")
+        self.blocks, self.window = None, None
+        if shuffle == BLOCKS:
+            if blocks is None:
+                raise ValueError("shuffle='blocks' needs the blocks' start indices (blocks=, a reader's blocks())")
+            if window < 1:
+                raise ValueError(f"block_window must be at least 1, not {window}")
+            self.blocks, self.window = check_starts(blocks, self.length), int(window)
         dist_rank, dist_world = distributed_rank_world()
         self.world = dist_world if num_replicas is None else num_replicas
         self.rank = dist_rank if rank is None else rank
@@ -165,7 +200,7 @@ class ResumableSampler(Sampler[EpochIndex]):
     def next_pass(self) -> EpochPass:
         """The pass the next iteration will make (nothing changes until it starts)."""
         return EpochPass(self._next_epoch, self._resume_at, self.world, self.rank, self.length, self.batch_size,
-                         self.seed, self.shuffle, self.drop_last)
+                         self.seed, self.shuffle, self.drop_last, self.blocks, self.window)
 
     def __len__(self) -> int:
         current = self._current

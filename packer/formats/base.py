@@ -212,6 +212,16 @@ class Reader(ABC):
         return CorruptDataError(f"{where}: holds {found} samples, the manifest says {self.manifest['count']}; the "
                                 "manifest or the data is damaged, run `packer verify` and re-pack")
 
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """The start index of each block: contiguous runs of samples cheap to read sequentially, of about
+        ``target_bytes`` each (``make_loader(shuffle="blocks")``). This default cuts the samples evenly by the
+        data files' sizes the manifest records; formats that know each sample's size or their files' layout
+        override it. An increasing int64 array from 0 (empty for an empty dataset)."""
+        n = len(self)
+        total = sum(int(e.get("bytes", 0)) for e in self.manifest.get("files", []) if isinstance(e, dict))
+        step = max(1, int(target_bytes * n // total)) if total > 0 else 1
+        return np.arange(0, n, step, dtype=np.int64)
+
     # -- verify hooks --------------------------------------------------------------------------------------------
     def count_problems(self) -> list[str]:
         """Where the open data disagrees with the manifest's sample count (``packer verify``)."""
@@ -308,6 +318,25 @@ class Reader(ABC):
         if array is not None:
             return array.copy(), sample.label
         return bytes(sample.payload), sample.label
+
+
+def blocks_by_size(sizes: np.ndarray, target_bytes: int) -> np.ndarray:
+    """Block starts over samples of these stored ``sizes`` (in index order, laid out one after another): a
+    block holds the samples that begin within one ``target_bytes`` stretch of the data (at least one sample)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.size == 0:
+        return np.zeros(0, np.int64)
+    begins = np.cumsum(sizes) - sizes
+    marks = np.arange(0, int(begins[-1]) + 1, max(1, int(target_bytes)), dtype=np.int64)
+    return np.unique(np.searchsorted(begins, marks, side="left"))
+
+
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal ``values`` begins (block starts over, say, each sample's shard number)."""
+    values = np.asarray(values)
+    if values.size == 0:
+        return np.zeros(0, np.int64)
+    return np.concatenate([[0], np.flatnonzero(values[1:] != values[:-1]) + 1]).astype(np.int64)
 
 
 _REGISTRY: dict[str, tuple[type[Writer], type[Reader]]] = {}

@@ -29,7 +29,7 @@ from ..errors import CorruptDataError, PackerError
 from ..fields import NUMERIC, Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
-from .base import Reader, Sample, Writer, register
+from .base import Reader, Sample, Writer, blocks_by_size, register
 from .identity import changed_error, check_unchanged, file_id
 
 FILENAME = "data.h5"
@@ -298,6 +298,15 @@ class Hdf5Reader(Reader):
         for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
             out[j] = images[i]
         return self.labels[indices]
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
+        self.open()
+        if self.offsets is None:
+            sizes = np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
+        else:
+            sizes = np.diff(np.asarray(self.offsets, dtype=np.int64))
+        return blocks_by_size(sizes, target_bytes)
 
     def relpath(self, index: int) -> str:
         self.open()

@@ -39,7 +39,7 @@ from ..errors import CorruptDataError, PackerError
 from ..fields import fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
-from .base import Reader, Sample, Writer, register
+from .base import Reader, Sample, Writer, blocks_by_size, register
 from .identity import FileId, changed_error, check_unchanged, file_id
 
 HEADER = struct.Struct("<4siIHHBBHI")
@@ -394,6 +394,14 @@ class LmdbReader(Reader):
 
     def fields_checksum(self, index: int) -> int | None:
         return self._fields(index)[1]
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Index ranges of about ``target_bytes`` of records: records are written in index order, so their
+        values lie in the file roughly in that order. The sizes come from the B-tree's leaves (a large value's
+        own pages are not read)."""
+        self.open()
+        sizes = np.fromiter((len(value) for _, value in self.txn.cursor()), np.int64, self._count)
+        return blocks_by_size(sizes, target_bytes)
 
     def relpath(self, index: int) -> str:
         self.open()

@@ -152,6 +152,13 @@ class PartedReader(Reader):
         p, local = self.locate(index)
         return self.readers[p].stored_array(local, sample)
 
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Each part's blocks, placed at its first index: no block straddles two parts."""
+        if self._count == 0:
+            return np.zeros(0, np.int64)
+        return np.concatenate([reader.blocks(target_bytes) + int(first)
+                               for reader, first in zip(self.readers, self.starts[:-1], strict=True)])
+
     def relpath(self, index: int) -> str:
         p, local = self.locate(index)
         return self.readers[p].relpath(local)

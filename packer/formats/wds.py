@@ -54,7 +54,7 @@ from ..errors import CorruptDataError, PackerError, warn
 from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir
 from ..transforms import Encoded
-from .base import Reader, Sample, Writer, register
+from .base import Reader, Sample, Writer, register, run_starts
 from .identity import FileId, changed_error, check_unchanged, file_id
 from .wds_foreign import ForeignShards, scan_shards
 from .wds_members import INDEX_DTYPE, image_ext, member_bytes, member_suffix, npy_bytes, stored_bytes
@@ -439,6 +439,11 @@ class WdsReader(Reader):
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
             return self._as_array(index, sample, "uint8")
         return super().stored_array(index, sample)
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
+        self.open()
+        return run_starts(self.index["shard"])
 
     def relpath(self, index: int) -> str:
         if self.foreign is not None:
