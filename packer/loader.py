@@ -389,9 +389,10 @@ def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: A
         raise UsageError(f"dataset must be a torch Dataset (packer.open_dataset gives one), not "
                          f"{type(dataset).__name__}")
     arguments.optional_int("batch_size", batch_size, 1)
-    for name, value in (("shuffle", shuffle), ("tuned", tuned), ("drop_last", drop_last)):
-        if not (name == "shuffle" and value == BLOCKS):
-            arguments.flag(name, value)
+    if shuffle != BLOCKS and not isinstance(shuffle, bool):
+        raise UsageError(f"shuffle must be True, False or 'blocks', not {shuffle!r}")
+    for name, value in (("tuned", tuned), ("drop_last", drop_last)):
+        arguments.flag(name, value)
     arguments.seed("seed", seed)
     arguments.optional_int("threads", threads, 1)
     arguments.optional_int("prefetch_batches", prefetch_batches, 0)

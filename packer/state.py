@@ -63,6 +63,13 @@ def check_state(state: Any, schema: StateSchema) -> tuple[int, int]:
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
         raise ValueError(f"not a packer {what} state (version {STATE_VERSION}): {str(state)[:200]}; pass what "
                          f"state_dict() returned")
+    for key, mine in schema.settings.items():  # first: a different setting explains a different set of keys
+        if key not in state:
+            continue
+        theirs = state[key]
+        if theirs != mine or type(theirs) is not type(mine):
+            raise ValueError(f"the {what} state was saved with {key}={theirs!r}, this {what} has {key}={mine!r}; "
+                             f"resume with the same {key}")
     missing = sorted(schema.keys() - set(state))
     if missing:
         raise ValueError(f"the {what} state has no {', '.join(map(repr, missing))}; pass what state_dict() returned")
@@ -73,11 +80,6 @@ def check_state(state: Any, schema: StateSchema) -> tuple[int, int]:
     for key in schema.free:
         if not _is_int(state[key]) or not 1 <= state[key] <= INT64_MAX:
             raise ValueError(f"the {what} state has {key}={state[key]!r}; it must be a positive int")
-    for key, mine in schema.settings.items():
-        theirs = state[key]
-        if theirs != mine or type(theirs) is not type(mine):
-            raise ValueError(f"the {what} state was saved with {key}={theirs!r}, this {what} has {key}={mine!r}; "
-                             f"resume with the same {key}")
     epoch, position = state["epoch"], state[schema.position]
     if not _is_int(epoch) or not 0 <= epoch <= INT64_MAX:
         raise ValueError(f"the {what} state has epoch={epoch!r}; it must be an int from 0 to 2**63-1")

@@ -23,7 +23,7 @@ from packed_support import FORMATS
 from test_resume_loader import launch, read_out, stream_of
 
 import packer
-from packer.bench.mixing import label_mixing, mixing_rows, order_labels
+from packer.bench.shuffle_quality import batch_mixing, block_rows, sampler_labels
 from packer.blocks import block_order
 from packer.errors import PackerError
 from packer.sampler import ResumableSampler
@@ -275,18 +275,18 @@ def test_blocks_need_a_dataset_that_has_them(packs):
 # -- shuffle quality --------------------------------------------------------------------------------------------------
 
 def test_label_mixing_hand_cases():
-    assert label_mixing([0, 1, 0, 1], 2) == 0.0
-    assert label_mixing([0, 0, 1, 1], 2) == 0.5
-    assert label_mixing([0, 0, 1, 1, 2, 2], 3) == pytest.approx(1 / 3)
-    assert label_mixing([0, 1, 0, 1, 1], 2) == pytest.approx(0.1)  # the partial last batch is left out
-    with pytest.raises(ValueError, match="at least one label"):
-        label_mixing([], 2)
+    assert batch_mixing([0, 1, 0, 1], 2) == 0.0
+    assert batch_mixing([0, 0, 1, 1], 2) == 0.5
+    assert batch_mixing([0, 0, 1, 1, 2, 2], 3) == pytest.approx(1 / 3)
+    assert batch_mixing([0, 1, 0, 1, 1], 2) == pytest.approx(0.1)  # the partial last batch is left out
+    with pytest.raises(ValueError, match="no labels to score"):
+        batch_mixing([], 2)
 
 
 def test_wider_windows_mix_better_and_a_full_shuffle_best():
     """10 classes of 500 in class order, blocks of 50 (one class each), batches of 64."""
     labels = np.repeat(np.arange(10), 500)
-    rows = {row["order"]: row["mixing"] for row in mixing_rows(labels, np.arange(0, 5000, 50), 64, (1, 4, 16))}
+    rows = {row["order"]: row["mixing"] for row in block_rows(labels, np.arange(0, 5000, 50), 64, (1, 4, 16))}
     assert rows["stored order (shuffle=False)"] > 0.85
     windows = [rows[f'shuffle="blocks", block_window={w}'] for w in (1, 4, 16)]
     assert windows[0] > 0.7 and windows[0] > windows[1] > windows[2] > rows["shuffle=True"]
@@ -298,7 +298,7 @@ def test_order_labels_are_the_loaders(packs):
     labels = [ds.raw_sample(i)[1] for i in range(len(ds))]
     loader = packer.make_loader(ds, BATCH, shuffle="blocks", seed=SEED, block_window=WINDOW, num_workers=0)
     read = [label for _, batch in loader for label in batch.tolist()]
-    assert order_labels(labels, BATCH, "blocks", SEED, blocks=ds.blocks(), window=WINDOW).tolist() == read
+    assert sampler_labels(labels, BATCH, "blocks", SEED, blocks=ds.blocks(), window=WINDOW).tolist() == read
 
 
 def test_drop_last_gives_every_rank_whole_batches_of_distinct_samples():

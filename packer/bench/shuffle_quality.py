@@ -62,14 +62,30 @@ def loader_labels(loader: Iterable[Any]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def sampler_labels(labels: Sequence[int] | np.ndarray, batch_size: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
-    """The labels in the order ``make_loader(ds, batch_size, shuffle=True, seed=seed)`` yields them in ``epoch``
-    on one rank, without decoding an image (``labels``: the dataset's labels by index)."""
+def sampler_labels(labels: Sequence[int] | np.ndarray, batch_size: int, shuffle: bool | str = True, seed: int = 0,
+                   epoch: int = 0, blocks: np.ndarray | None = None, window: int = 4) -> np.ndarray:
+    """The labels in the order ``make_loader(ds, batch_size, shuffle=..., seed=...)`` yields them in ``epoch``
+    on one rank, without decoding an image (``labels``: the dataset's labels by index; ``blocks``, ``window``:
+    ``shuffle="blocks"``'s)."""
     from ..sampler import ResumableSampler
 
-    sampler = ResumableSampler(len(labels), batch_size, shuffle=True, seed=seed, num_replicas=1, rank=0)
+    sampler = ResumableSampler(len(labels), batch_size, shuffle=shuffle, seed=seed, num_replicas=1, rank=0,
+                               blocks=blocks, window=window)
     sampler.set_epoch(epoch)
     return np.asarray(labels)[np.fromiter((int(i) for i in sampler), np.int64)]
+
+
+def block_rows(labels: Sequence[int] | np.ndarray, blocks: np.ndarray, batch_size: int,
+               windows: Sequence[int] = (1, 4, 16), seed: int = 0) -> list[dict[str, Any]]:
+    """``{"order", "mixing"}`` rows: the stored order, ``shuffle=True``, then ``shuffle="blocks"`` at each window
+    over ``blocks`` (a dataset's ``blocks()``): what ``shuffle="blocks"`` trades for its sequential reads."""
+    rows = [{"order": "stored order (shuffle=False)", "mixing": batch_mixing(labels, batch_size)},
+            {"order": "shuffle=True",
+             "mixing": batch_mixing(sampler_labels(labels, batch_size, True, seed), batch_size)}]
+    for window in windows:
+        ordered = sampler_labels(labels, batch_size, "blocks", seed, blocks=blocks, window=window)
+        rows.append({"order": f'shuffle="blocks", block_window={window}', "mixing": batch_mixing(ordered, batch_size)})
+    return rows
 
 
 def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Sequence[int] = (100, 1000),
@@ -93,7 +109,7 @@ def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Seque
     ds = open_dataset(wds_root)
     labels = np.asarray([ds.raw_sample(i)[1] for i in range(len(ds))], dtype=np.int64)
     rows = [{"order": "packed order (no shuffle)", "mixing": batch_mixing(labels, batch_size)},
-            {"order": "make_loader(shuffle=True)", "mixing": batch_mixing(sampler_labels(labels, batch_size, seed),
+            {"order": "make_loader(shuffle=True)", "mixing": batch_mixing(sampler_labels(labels, batch_size, seed=seed),
                                                                           batch_size)}]
     for buffer in buffers:
         streamed = loader_labels(stream(wds_root, batch_size, shuffle=True, num_workers=0, seed=seed,
