@@ -55,6 +55,17 @@ SUFFIXES = {"jpeg": (".jpg", ".jpeg"), "png": (".png",), "raw": (".png",)}
 TABLE = "annotations.csv"
 
 
+def _partial_folder(out: Path) -> Path:
+    """A new folder beside OUT to export into, renamed to OUT at the end: a failure never leaves a half-written
+    OUT."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent))
+    except OSError as exc:
+        raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
+                               "destination") from None
+
+
 def _check_out(out: Path, dest: Path, manifest: dict, overwrite: bool, files: tuple[str, ...] = ()) -> None:
     """Refuse an OUT that export must not write: inside or around the dataset or its source folder, a link, or
     (with ``overwrite``) a folder holding anything but what export writes. Deletes nothing."""
@@ -125,13 +136,7 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     workers = workers or usable_cores()
     written: set[str] = set()
     renamed = 0
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # written beside OUT and renamed to it at the end: a failure never leaves a half-written OUT
-        partial = Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent))
-    except OSError as exc:
-        raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
-                               "destination") from None
+    partial = _partial_folder(out)
     bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",
                dynamic_ncols=True)
     try:
@@ -221,12 +226,7 @@ def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], ov
                               "with packer.open_dataset instead of exporting it")
     _check_out(out, dest, reader.manifest, overwrite, (TABLE,))
     columns = ["image", *([label.name] if label is not None else []), *(f.name for f in extras)]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent))
-    except OSError as exc:
-        raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
-                               "destination") from None
+    partial = _partial_folder(out)
     written: set[str] = set()
     renamed = 0
     bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",

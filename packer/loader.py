@@ -398,7 +398,6 @@ def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: A
     arguments.optional_int("prefetch_batches", prefetch_batches, 0)
 
 
-
 def _block_starts(dataset: Dataset, block_bytes: int | str) -> np.ndarray:
     """The dataset's blocks for ``shuffle="blocks"``; a one-line error for a dataset that has none."""
     blocks = getattr(dataset, "blocks", None)
