@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from remote_support import fault_proxy, serve_files  # noqa: E402
 
-from packer.remote.bench import bench_url, format_bench_url  # noqa: E402
+from packer.bench.remote import bench_url, format_bench_url  # noqa: E402
 
 
 def main() -> None:

@@ -296,7 +296,7 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if src and parse_url(src) is not None:  # a packed dataset at a URL: one cold and one warm epoch
-        from .remote.bench import bench_url, format_bench_url
+        from .bench.remote import bench_url, format_bench_url
 
         rows = bench_url(src, batch_size=batch_size, workers=counts[0] if counts else 0,
                          resize=b.optional_size(read_resize), center_crop=b.optional_size(read_crop))

@@ -76,6 +76,7 @@ def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "l
         # DEST for every rank, and in a process group that already exists (pack to a URL) it may hold the lock
         # by the time another rank gets here.
         check_free(dest)
+    src = _local_source(src)
     context = detect(opts.distributed)
     if opts.resume and is_regular_file(dest / MANIFEST):
         try:
@@ -106,6 +107,15 @@ def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "l
 pack.__doc__ = pack.__doc__.replace("{options}", args_doc())
 pack.__signature__ = inspect.signature(pack).replace(parameters=[
     *list(inspect.signature(pack).parameters.values())[:5], *signature_parameters()])
+
+
+def _local_source(src: str | os.PathLike | Any) -> str | os.PathLike | Any:
+    """``src``, or for a packed dataset's URL the local folder it is fetched into: below ``pack`` every source is
+    local (a Hugging Face name, ``hf:...``, is not a URL: :mod:`packer.hf` reads it)."""
+    from .hf import is_hf
+    from .remote import local_dataset
+
+    return src if is_hf(src) else local_dataset(src)
 
 
 def _exists(path: Path) -> bool:

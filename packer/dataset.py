@@ -535,7 +535,9 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     arguments.int_at_least("threads", threads, 1)
     options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
                if value is not None}
-    reader = open_reader(root, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    from .remote import local_dataset  # a URL is resolved here: below, every reader opens a local folder
+
+    reader = open_reader(local_dataset(root, storage_options, cache_dir, cache_limit))
     for name in options:
         if reader.format != _READER_OPTIONS[name]:
             raise UsageError(f"{name} is an option of {_READER_OPTIONS[name]} datasets; {root} is {reader.format}")

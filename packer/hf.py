@@ -428,7 +428,7 @@ def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
         PackerError: ``dest`` is not a packed dataset, or stores normalized arrays (not images).
     """
     from .formats import open_reader
-    from .remote.resolve import local_dataset
+    from .remote import local_dataset  # a URL is resolved here, at the entry point
 
     datasets = _datasets()
     root = Path(local_dataset(dest)).resolve()

@@ -245,13 +245,12 @@ def open_source(src: str | os.PathLike | Any, include_hidden: bool = False, labe
       sub-folders: WebDataset shards (labels from ``label_key``, default ``cls``);
     - any other folder: an image folder (``include_hidden`` keeps names starting with '.')."""
     from .hf import is_hf
-    from .remote.resolve import local_dataset
 
     if is_hf(src):
         return _hf_source(src, label_key, table, hf)
     if (hf or {}).get("split") is not None:
         raise UsageError("--split is for a Hugging Face SRC (hf:PATH_OR_NAME)")
-    text = os.fspath(local_dataset(src))  # a URL: the packed dataset there, fetched into the cache
+    text = os.fspath(src)  # a URL was resolved by pack(), the entry point: this is a local path or pattern
     path = Path(text)
     shards: list[Path] | None = None
     pattern = None

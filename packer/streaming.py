@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import arguments
 from .errors import CorruptDataError, PackerError, UsageError, carried, uncrossed
+from .fetchable import Fetchable, fetched
 from .fieldbatch import collate_column, field_tensor
 from .fieldread import select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
@@ -30,9 +31,6 @@ from .fields import decode as decode_value
 from .formats.wds_members import IMAGE_EXTS, stored_bytes
 from .manifest import read_manifest
 from .masks import decode_mask
-from .remote.cache import parse_limit
-from .remote.resolve import RemoteFile, fetched, remote_files
-from .remote.url import parse_url
 from .sampler import distributed_rank_world
 from .state import STATE_VERSION, CountingIterator, Progress, StateSchema, check_state
 from .system import die_with_parent, usable_cores
@@ -42,7 +40,7 @@ from .transforms import decode
 _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
 
 
-def shard_samples(shard: Path | RemoteFile, extras: Sequence[Field] = ()
+def shard_samples(shard: Path | Fetchable, extras: Sequence[Field] = ()
                   ) -> Iterator[tuple[str, bytes, str, int, dict[str, bytes]]]:
     """``(key, image bytes, image extension, label, {field: stored bytes})`` of each sample of a shard, read
     sequentially (a remote shard from its cached copy, held only while it is read); the bytes of the
@@ -113,7 +111,7 @@ def _die_with_parent(worker_id: int) -> None:
 class StreamPlan:
     """One epoch of this rank: the shards each of its streams reads, and the batches each makes."""
 
-    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], epoch: int, settings: dict[str, Any], rank: int,
+    def __init__(self, shards: list[tuple[Path | Fetchable, int]], epoch: int, settings: dict[str, Any], rank: int,
                  world: int):
         order = list(range(len(shards)))
         if settings["shuffle"]:
@@ -243,7 +241,7 @@ class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
     at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
 
-    def __init__(self, shards: list[tuple[Path | RemoteFile, int]], settings: dict[str, Any], mode: str, buffer: int,
+    def __init__(self, shards: list[tuple[Path | Fetchable, int]], settings: dict[str, Any], mode: str, buffer: int,
                  schema: list[Field] | None = None, fields: Sequence[str] | str | None = None):
         self.shards = shards
         self.rank, self.world = distributed_rank_world()
@@ -316,6 +314,8 @@ class StreamLoader:
 def _check_cache_limit(cache_limit: int | str | None, sizes: list[int], streams: int) -> None:
     """A URL's ``cache_limit`` must hold one shard per stream, the most ``stream`` holds at once: said at the call,
     with the figure to pass, rather than by the first worker that cannot fetch its shard."""
+    from .remote.cache import parse_limit
+
     limit = parse_limit(cache_limit if cache_limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
     need = streams * max(sizes, default=0)
     if limit is not None and limit < need:
@@ -365,6 +365,9 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     arguments.int_at_least("buffer", buffer, 1)
     if mode not in ("RGB", "L"):
         raise UsageError(f"mode must be 'RGB' or 'L', not {mode!r}")
+    from .remote import parse_url  # a URL is resolved here, to its manifest and a Fetchable per shard
+    from .remote.resolve import remote_files
+
     files = None
     if parse_url(root) is not None:
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
@@ -378,7 +381,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
               for s in manifest["shards"]]
     workers = usable_cores() if num_workers is None else num_workers
     if files is not None and cache:
-        _check_cache_limit(cache_limit, [entry.entry["bytes"] for entry, _ in shards], max(workers, 1))
+        _check_cache_limit(cache_limit, [files[s["path"]].entry["bytes"] for s in manifest["shards"]],
+                           max(workers, 1))
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
     return StreamLoader(shards, settings, mode, buffer, schema_of(manifest), fields)

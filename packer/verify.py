@@ -4,11 +4,17 @@ Quick checks: the manifest parses; every data file exists with the size and sha2
 sample count agrees with the data. Where a file's checksum is wrong, each of its samples' crc32 is checked so
 the broken ones are named. ``deep=True`` also checks every sample's crc32, decodes it, and checks its shape and
 label.
+
+A URL: every data file is fetched afresh into a temporary cache (deleted afterwards: a sound copy in the shared
+cache, whose objects are named by their sha256, says nothing about the remote objects) and checked against the
+manifest's size and sha256, a damaged object named by its URL and never handed to a reader; when all are sound,
+the local checks run on the fetched copy, with the problems naming the URL.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -18,14 +24,16 @@ from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
 from .manifest import label_bounds, read_manifest, sha256_file
-from .remote.url import parse_url
+from .remote import parse_url
+from .remote.cache import Cache
+from .remote.resolve import release, resolve
 
 
 def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) -> list[str]:
     """Check the packed dataset ``dest`` against its manifest.
 
     Args:
-        dest: the dataset folder.
+        dest: the dataset folder, or its URL (``s3://bucket/ds``, ``https://...``).
         deep: also check every sample's crc32, decode it, and check its shape and label.
         progress: show progress bars on stderr when it is a terminal (the files' bytes, then the samples).
 
@@ -35,10 +43,9 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
     Raises:
         PackerError: only for an unreadable manifest.
     """
-    if parse_url(dest) is not None:  # fetched into the cache, each file checked, then this on the local copy
-        from .remote.check import verify_url
-
-        return verify_url(verify, os.fspath(dest), deep)
+    remote = parse_url(dest)
+    if remote is not None:  # fetched into the cache, each file checked, then this on the local copy
+        return _verify_url(remote.url, deep)
     dest = Path(dest)
     manifest = read_manifest(dest)
     problems: list[str] = []
@@ -72,6 +79,22 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
         problems += _check_samples(reader, manifest, deep, damaged_files, progress)
     problems += reader.member_problems(deep, damaged_files)
     return problems
+
+
+def _verify_url(url: str, deep: bool = False) -> list[str]:
+    """The problems found in the dataset at ``url`` (parsed, without a trailing slash): its damaged objects, else
+    :func:`verify`'s on a fresh copy, with the copy's folder replaced by the URL in each line."""
+    damaged: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="verify-", dir=Cache(None).root) as fresh:
+        view = resolve(url, None, fresh, None, damaged=damaged)
+        if damaged:
+            return damaged
+        try:
+            problems = verify(view, deep=deep)
+        except PackerError as exc:
+            problems = [str(exc)]
+        release(view)
+    return [p.replace(str(view), url) for p in problems]
 
 
 def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: set[str],

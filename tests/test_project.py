@@ -1,5 +1,6 @@
 """Project metadata agrees with itself (environment.yml and pyproject.toml list the same dependencies), and the
-package keeps its structure: no import cycle, no module over 600 lines, no format name compared outside formats/.
+package keeps its structure: no import cycle, no module over 600 lines, no format name compared outside formats/,
+packer.remote imported only by the public entry points (and importing nothing above the bytes it moves).
 
 Lint is not run here: CI (.ci/run) runs ``ruff check .`` before the tests."""
 
@@ -218,6 +219,45 @@ def test_no_module_over_600_lines():
     long = {str(p.relative_to(REPO)): n for p in (REPO / "packer").rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
     assert long == {}
+
+
+# Modules outside packer/remote/ that may import it: the public entry points, which resolve a URL into local files
+# (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
+REMOTE_IMPORTERS = {
+    "packer.cli": "its commands take URLs: parse_url tells them from folders, info reads a URL's manifest",
+    "packer.convert": "pack(): a URL SRC is fetched into the cache, a URL DEST is converted then uploaded",
+    "packer.upload": "uploads a finished conversion to a URL, manifest last",
+    "packer.dataset": "open_dataset(): a URL is fetched into the cache",
+    "packer.exporter": "export(): a URL is fetched into the cache",
+    "packer.hf": "to_hf(): a URL is fetched into the cache",
+    "packer.verify": "verify(): a URL's objects are fetched afresh into a temporary cache and checked",
+    "packer.streaming": "stream(): a URL becomes its manifest and one Fetchable per shard, fetched when read",
+    "packer.bench.remote": "packer bench URL: counts the bytes and requests each epoch fetched",
+}
+# What packer/remote/ itself may import: it moves bytes, so nothing that converts, reads a format or checks one.
+REMOTE_USES = {"packer.errors", "packer.manifest", "packer.options", "packer.system", "packer.distribution"}
+REMOTE_USES_TOO = {"packer.remote.upload"}  # until it moves to packer/upload.py (it runs a conversion)
+
+
+def is_remote(module: str) -> bool:
+    return module == "packer.remote" or module.startswith("packer.remote.")
+
+
+def test_remote_is_imported_only_by_the_entry_points():
+    """A URL is resolved once, at the public entry points: formats, sources and the readers never see one."""
+    graph = module_imports()
+    found = sorted(m for m, imports in graph.items() if not is_remote(m) and m not in REMOTE_IMPORTERS
+                   and any(is_remote(i) for i in imports))
+    assert found == [], "resolve the URL at the entry point and pass a local folder (or a Fetchable) down"
+    stale = sorted(m for m in REMOTE_IMPORTERS if m in graph and not any(is_remote(i) for i in graph[m]))
+    assert stale == [], "no longer imports packer.remote: take it off REMOTE_IMPORTERS"
+
+
+def test_remote_only_moves_bytes():
+    graph = module_imports()
+    climbs = {m: sorted(i for i in imports if not is_remote(i) and i not in REMOTE_USES)
+              for m, imports in graph.items() if is_remote(m) and m not in REMOTE_USES_TOO}
+    assert {m: i for m, i in climbs.items() if i} == {}
 
 
 def test_no_branching_on_a_format_name_outside_the_formats_package():

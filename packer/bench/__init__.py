@@ -28,7 +28,8 @@ Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cac
 ``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
 and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
 ``chart`` (bench.png), ``summary`` (the first screen: what to use, how much faster), ``tune``
-(``DEST/loader.json``) and ``run`` (:func:`run_bench`).
+(``DEST/loader.json``), ``run`` (:func:`run_bench`) and ``remote`` (``packer bench URL``: cold and warm epochs of
+a packed dataset at a URL, with the bytes and requests fetched; not imported here).
 """
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction

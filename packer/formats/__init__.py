@@ -11,7 +11,6 @@ import os
 
 from ..errors import ManifestError
 from ..manifest import MANIFEST, read_manifest
-from ..remote.resolve import local_dataset
 from .base import Reader, Sample, Writer, format_names, get_format, register, writer_files
 
 # isort: off
@@ -26,25 +25,18 @@ __all__ = ["PartedReader", "Reader", "Sample", "Writer", "format_names", "get_fo
            "writer_files"]
 
 
-def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
-                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                **options) -> Reader:
+def open_reader(root: str | os.PathLike, **options) -> Reader:
     """The reader of the packed dataset in ``root``, as its ``manifest.json`` says: the format's reader, or a
     :class:`PartedReader` over them for a conversion made by several ranks.
 
     Args:
-        root: the dataset folder, or a URL (``s3://bucket/ds``, ``gs://...``, ``https://...``): its files are
-            fetched into the cache, checked, and read from there (see :mod:`packer.remote`).
-        storage_options: for a URL, the fsspec filesystem's options (credentials, endpoint).
-        cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
-        cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``; default
-            ``PACKER_CACHE_LIMIT``).
+        root: the dataset folder (a local one: the public entry points resolve a URL into the cache first,
+            see :func:`packer.remote.local_dataset`).
         **options: the format reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
 
     Returns:
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
-    root = local_dataset(root, storage_options, cache_dir, cache_limit)
     manifest = read_manifest(root)
     try:
         _, reader = get_format(manifest["format"])

@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ..errors import ManifestError, RemoteError, UrlError
 from ..manifest import MANIFEST, max_manifest_bytes, parse_manifest
@@ -146,22 +145,10 @@ def release(view: Path) -> None:
             pin.release()
 
 
-def local_dataset(path: str | os.PathLike, storage_options: dict | None = None,
-                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> Any:
-    """``path`` itself when it is local; the resolved cache folder (see :func:`resolve`) when it is a URL.
-
-    Raises:
-        UrlError: ``path`` is a URL that cannot be understood (see :func:`packer.remote.url.parse_url`).
-    """
-    if parse_url(path) is None:
-        return path
-    return resolve(os.fspath(path), storage_options, cache_dir, cache_limit)
-
-
 class RemoteFile:
-    """One data file of a remote dataset, fetched into the cache when :meth:`local` is entered and released
-    (evictable) when it is left, or with ``cached=False`` into a temporary file deleted when it is left;
-    picklable, so a DataLoader worker fetches with its own filesystem."""
+    """One data file of a remote dataset (a :class:`packer.fetchable.Fetchable`), fetched into the cache when
+    :meth:`local` is entered and released (evictable) when it is left, or with ``cached=False`` into a temporary
+    file deleted when it is left; picklable, so a DataLoader worker fetches with its own filesystem."""
 
     def __init__(self, remote: RemoteUrl, entry: dict, storage_options: dict | None, cache_dir: str | None,
                  cache_limit: int | str | None, cached: bool = True):
@@ -199,12 +186,3 @@ def remote_files(url: str, storage_options: dict | None = None, cache_dir: str |
     return manifest, {e["path"]: RemoteFile(remote, e, storage_options, cache_dir, cache_limit, cached)
                       for e in manifest["files"]}
 
-
-@contextlib.contextmanager
-def fetched(shard: Path | RemoteFile) -> Iterator[Path]:
-    """A local path for ``shard``: itself, or a remote file's cached copy held while inside."""
-    if isinstance(shard, RemoteFile):
-        with shard.local() as path:
-            yield path
-    else:
-        yield shard

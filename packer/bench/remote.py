@@ -11,8 +11,8 @@ import tempfile
 import time
 from typing import Any
 
-from ..bench import evict
-from .fetch import STATS
+from ..remote.fetch import STATS
+from .cache import evict
 
 
 def _epoch(loader) -> int:
