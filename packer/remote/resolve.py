@@ -1,10 +1,12 @@
-"""The one resolve step every reader goes through: a dataset URL becomes a local folder of checked files.
+"""The one resolve step the public entry points take for a URL (through :func:`packer.remote.local_dataset`): a
+dataset URL becomes a local folder of checked files, handed down to readers that never see the URL.
 
 The manifest is fetched, then every data file its ``files`` list names (whatever the format: LMDB, HDF5,
 shards and their index, the parts of a distributed conversion) is fetched whole into the cache, checked against
 its size and sha256, and linked into a per-URL folder beside the manifest. The existing readers then open that
-folder as a local dataset. The files stay pinned (never evicted) for the life of the process that resolved them,
-and of its forked DataLoader workers."""
+folder as a local dataset. :func:`remote_files` instead gives one :class:`RemoteFile` per data file, fetched when
+it is read (``packer.stream``). The files of a resolved folder stay pinned (never evicted) for the life of the
+process that resolved them, and of its forked DataLoader workers."""
 
 from __future__ import annotations
 
