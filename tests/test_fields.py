@@ -133,7 +133,6 @@ def test_fields_checksum_sees_moved_bytes():
 def test_stored_masks_decode_to_their_exact_values(pixels):
     """The fast path for the grayscale PNGs packer stores gives what Pillow reads, value for value; a palette
     PNG (another tool's) keeps its indices, and a damaged one is one ImageError naming it."""
-    import io
 
     from PIL import Image
 
