@@ -221,7 +221,7 @@ def convert_samples(dest: Path, plan: Plan, indices: list[int], journal: dict, r
         dest: the prepared folder (DEST, or a rank's part folder).
         plan: the conversion's plan.
         indices: source indices, in output order.
-        journal: the folder's journal (:func:`packer.journal.open_journal`).
+        journal: the folder's journal (:func:`packer.journal.resumable` or :func:`packer.journal.start`).
         resuming: continue from the journal's last durable point.
         allow_empty: keep a conversion where every image was skipped (one rank's part).
         key_offset: number WebDataset keys from there (a rank's first output position).
