@@ -56,7 +56,7 @@ def pack_folder(src: str | os.PathLike | Any, dest: Path, options: PackOptions,
     coordinator = coordinator if coordinator is not None else detect(options.distributed)
     try:
         if finished:
-            return _finished(dest, build_plan(src, options, quiet=not coordinator.leads), speak=coordinator.leads)
+            return _finished(dest, build_plan(src, options, quiet=not coordinator.leads), announce=coordinator.leads)
         try:
             return _convert(coordinator, src, options, dest)
         except BaseException as exc:
@@ -135,7 +135,7 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
+def _finished(dest: Path, plan: Plan, announce: bool) -> dict[str, Any]:
     """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
     options; a :class:`DestinationError` otherwise, as for an unfinished one."""
     manifest = read_manifest(dest)
@@ -152,6 +152,6 @@ def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
     if changed:
         raise DestinationError(f"{shown(dest)}: is a finished dataset packed with a different {', '.join(changed)}; "
                                f"run with the same source and options, or start again with {spelled('overwrite')}")
-    if speak and shown(dest) == os.fspath(dest):  # a URL's staging folder: the upload says what it does
+    if announce and shown(dest) == os.fspath(dest):  # a URL's staging folder: the upload says what it does
         print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
     return manifest
