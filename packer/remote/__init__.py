@@ -5,7 +5,6 @@
 - :mod:`.fetch` reads with retries and checks size and sha256;
 - :mod:`.cache` is the local cache (LRU, locks, pins);
 - :mod:`.resolve` turns a dataset URL into a local folder the readers open;
-- :mod:`.upload` sends a locally packed dataset, manifest last;
 - :mod:`.check` is ``packer verify`` for a URL.
 """
 
