@@ -17,6 +17,7 @@ import sys
 import time
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -116,7 +117,7 @@ class Plan:
     sizes: np.ndarray  # bytes of each source sample, by source index
     shape: list[int] | None  # [H, W, C] when every sample has it
 
-    def estimate(self, indices: list[int]) -> int:
+    def estimate(self, indices: Sequence[int]) -> int:
         """The bytes that converting these samples stores, roughly (LMDB map size, shard sizing)."""
         spec = self.spec
         if spec.store == "raw" and spec.fixed_shape:
@@ -212,7 +213,7 @@ class Converted:
     resumed: bool
 
 
-def convert_samples(dest: Path, plan: Plan, indices: list[int], journal: dict, resuming: bool, *,
+def convert_samples(dest: Path, plan: Plan, indices: Sequence[int], journal: dict, resuming: bool, *,
                     allow_empty: bool = False, key_offset: int = 0, progress: bool | None = None,
                     desc: str | None = None, on_progress=None) -> Converted:
     """Convert source samples ``indices``, in that order, into ``dest``, recording progress in its journal.
@@ -221,7 +222,7 @@ def convert_samples(dest: Path, plan: Plan, indices: list[int], journal: dict, r
         dest: the prepared folder (DEST, or a rank's part folder).
         plan: the conversion's plan.
         indices: source indices, in output order.
-        journal: the folder's journal (:func:`packer.journal.open_journal`).
+        journal: the folder's journal (:func:`packer.journal.resumable` or :func:`packer.journal.start`).
         resuming: continue from the journal's last durable point.
         allow_empty: keep a conversion where every image was skipped (one rank's part).
         key_offset: number WebDataset keys from there (a rank's first output position).
@@ -302,7 +303,7 @@ class _Conversion:
     The journal (``.packer-in-progress``) records, each time the writer makes its output durable, how many
     samples it holds, the source position to continue from, and the images skipped so far."""
 
-    def __init__(self, source: Source, dest: Path, indices: list[int], spec: TransformSpec, writer,
+    def __init__(self, source: Source, dest: Path, indices: Sequence[int], spec: TransformSpec, writer,
                  journal: dict, strict: bool, progress: bool, desc: str | None = None, on_progress=None):
         self.source, self.dest, self.indices, self.spec = source, dest, indices, spec
         self.writer, self.journal, self.strict, self.progress = writer, journal, strict, progress

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from .dest import empty_folder, is_regular_file
 from .errors import DestinationError, PackerError
 from .manifest import JOURNAL, write_json_atomic
 
-__all__ = ["JOURNAL", "differences", "discard", "finish", "open_journal", "read_journal", "save", "write_failed"]
+__all__ = ["JOURNAL", "differences", "discard", "finish", "read_journal", "resumable", "save", "start",
+           "write_failed"]
 
 
 def read_journal(folder: Path) -> dict | None:
@@ -45,19 +45,16 @@ def differences(old: dict, new: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def open_journal(folder: Path, options: dict[str, Any], resume: bool, prepare: Callable[[], None],
-                 same: str = "source and options") -> tuple[dict, bool]:
-    """The journal of the conversion into ``folder``.
+def resumable(folder: Path, options: dict[str, Any], resume: bool,
+              same: str = "source and options") -> dict | None:
+    """The journal of the interrupted conversion into ``folder`` to continue, or None: nothing to resume (or
+    ``resume`` not asked); then the caller prepares ``folder`` and starts a journal (:func:`start`).
 
     Args:
         folder: DEST, or a rank's part folder.
         options: what the conversion records; a resumed journal must hold the same.
         resume: continue an interrupted conversion if ``folder`` holds one.
-        prepare: makes ``folder`` a new, empty folder, when nothing is resumed.
         same: what a resumed conversion must keep, for the message when it does not.
-
-    Returns:
-        The journal (the interrupted one, or a fresh one just written) and whether it resumes.
 
     Raises:
         DestinationError: the interrupted conversion used other options.
@@ -68,11 +65,14 @@ def open_journal(folder: Path, options: dict[str, Any], resume: bool, prepare: C
         if changed:
             raise DestinationError(f"{folder}: the interrupted conversion used a different {', '.join(changed)}; "
                                    f"resume with the same {same}, or start again with --overwrite")
-        return journal, True
-    prepare()
+    return journal
+
+
+def start(folder: Path, options: dict[str, Any]) -> dict:
+    """A fresh journal for the conversion into the prepared ``folder``, written; returned."""
     journal = {"options": options, "position": 0, "skipped": [], "writer": None}
     save(folder, journal)
-    return journal, False
+    return journal
 
 
 def save(folder: Path, journal: dict) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from .distribution import pip_hint
@@ -30,11 +31,14 @@ REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list,
             "transform": dict, "files": list}
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22, progress: Callable[[int], object] | None = None) -> str:
+    """The file's sha256 (hex), read a chunk at a time; ``progress`` is given each chunk's length."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if progress is not None:
+                progress(len(block))
     return h.hexdigest()
 
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import write_image
 
 import packer
-from packer.distributed import partition
+from packer.coordinator import partition
 
 CLASSES = ("ant", "bee", "cat")
 PER_CLASS = 32  # 96 images

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -126,3 +127,49 @@ def test_a_damaged_schema_is_a_manifest_error(fields):
 
 def test_fields_checksum_sees_moved_bytes():
     assert fields_crc32([b"ab", b"c"]) != fields_crc32([b"a", b"bc"])
+
+
+@pytest.mark.parametrize("pixels", ["uint8", "uint16"])
+def test_stored_masks_decode_to_their_exact_values(pixels):
+    """The fast path for the grayscale PNGs packer stores gives what Pillow reads, value for value; a palette
+    PNG (another tool's) keeps its indices, and a damaged one is one ImageError naming it."""
+
+    from PIL import Image
+
+    from packer.errors import ImageError
+    from packer.masks import decode_mask, mask_array
+
+    values = np.random.default_rng(0).integers(0, np.iinfo(pixels).max, (37, 53), dtype=pixels)
+    buf = io.BytesIO()
+    Image.fromarray(values).save(buf, "PNG")
+    data = buf.getvalue()
+    decoded = decode_mask(memoryview(data), "m.png", pixels)
+    assert decoded.dtype == pixels and np.array_equal(decoded, values)
+    assert np.array_equal(decoded, mask_array(data, "m.png", pixels))
+    palette = Image.fromarray(values.astype("uint8") % 7).convert("P")
+    buf = io.BytesIO()
+    palette.save(buf, "PNG")
+    assert np.array_equal(decode_mask(buf.getvalue(), "p.png", "uint8"), np.asarray(palette))
+    with pytest.raises(ImageError, match="m.png: cannot decode the mask"):
+        decode_mask(data[:len(data) // 2], "m.png", pixels)
+
+
+def test_tar_member_headers_parse_as_tarfile_reads_them(tmp_path):
+    """packer's direct ustar parse gives tarfile's name and size for every header, and None for a damaged one."""
+    import tarfile
+
+    from packer.formats.wds_members import member_header
+
+    path = tmp_path / "t.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, size in (("000001.jpg", 0), ("000001.mask.png", 511), ("000002.txt", 513), ("x" * 99, 7)):
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(b"a" * size))
+    data = path.read_bytes()
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    assert [member_header(data[m.offset:m.offset + 512]) for m in members] == [(m.name, m.size) for m in members]
+    damaged = bytearray(data[:512])
+    damaged[3] ^= 1
+    assert member_header(bytes(damaged)) is None and member_header(bytes(512)) is None

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..distribution import pip_hint
+from ..distribution import DIST_NAME
 from ..errors import warn
 
 COLOURS = ("tab:blue", "tab:orange")
@@ -68,7 +68,8 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        warn(f"matplotlib is not installed, so no chart was drawn; {pip_hint('bench')}")
+        warn("matplotlib is not installed, so no chart was drawn; pip install matplotlib (a dependency of "
+             f"{DIST_NAME} that this environment lacks)")
         return False
     rows = results["rows"]
     shown = chart_workers(rows)

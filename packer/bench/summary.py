@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..distribution import pip_hint
-
 PIPELINE_NAMES = {"val": "val: resize + centre crop", "train": "train: random resized crop + flip"}
 
 
@@ -66,5 +64,5 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     if "chart" in results:
         chart = results["chart"]
         lines.append(f"chart: {chart}" if chart else
-                     f"no chart: matplotlib is not installed; {pip_hint('bench')} draws one")
+                     "no chart: matplotlib is not installed; pip install matplotlib draws one")
     return lines

@@ -57,7 +57,7 @@ from ..transforms import Encoded
 from .base import Reader, Sample, Writer, register, run_starts
 from .identity import FileId, changed_error, check_unchanged, file_id
 from .wds_foreign import ForeignShards, scan_shards
-from .wds_members import INDEX_DTYPE, image_ext, member_bytes, member_suffix, npy_bytes, stored_bytes
+from .wds_members import INDEX_DTYPE, image_ext, member_bytes, member_header, member_suffix, npy_bytes, stored_bytes
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -403,18 +403,15 @@ class WdsReader(Reader):
         values = []
         for field in self.extra_fields:
             where = f"{self.shard_paths[shard]} sample {index}"
-            try:
-                info = tarfile.TarInfo.frombuf(bytes(m[at:at + tarfile.BLOCKSIZE]), "utf-8", "surrogateescape")
-            except tarfile.TarError:
-                info = None
+            header = member_header(bytes(m[at:at + tarfile.BLOCKSIZE]))
             start = at + tarfile.BLOCKSIZE
-            suffix = "" if info is None else info.name.partition(".")[2]
-            if (info is None or not (suffix == field.name or suffix.startswith(field.name + "."))
-                    or start + info.size > len(m)):
+            suffix = "" if header is None else header[0].partition(".")[2]
+            if (header is None or not (suffix == field.name or suffix.startswith(field.name + "."))
+                    or start + header[1] > len(m)):
                 raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
                                        "run `packer verify` and re-pack")
-            values.append(stored_bytes(field, m[start:start + info.size], where))
-            at = start + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            values.append(stored_bytes(field, m[start:start + header[1]], where))
+            at = start + -(-header[1] // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
         return tuple(values)
 
     def fields_checksum(self, index: int) -> int | None:

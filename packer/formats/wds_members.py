@@ -4,6 +4,7 @@ library decodes each by its extension, and the index row that locates them (see 
 from __future__ import annotations
 
 import io
+import tarfile
 
 import numpy as np
 from PIL import Image
@@ -70,3 +71,22 @@ def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes
     np.lib.format.write_array(buf, np.frombuffer(payload, dtype=dtype).reshape(shape), allow_pickle=False)
     data = buf.getvalue()
     return data, len(data) - len(payload)
+
+
+def member_header(block: bytes) -> tuple[str, int] | None:
+    """The name and size of the tar member whose 512-byte header is ``block``: packer's members have plain ustar
+    headers, parsed here directly (``TarInfo.frombuf`` costs more than decoding a small mask); any other header
+    (a long name, a base-256 size) through ``tarfile``. ``None`` when it is no valid header."""
+    if block[156:157] in (b"0", b"\0") and block[124] in b"01234567" and block[135:136] in (b"\0", b" ") \
+            and not block[345:346].strip(b"\0"):
+        checksum = sum(block[:148]) + sum(block[156:]) + 8 * 32
+        try:
+            if int(block[148:156].split(b"\0", 1)[0].strip() or b"-1", 8) == checksum:
+                return block[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"), int(block[124:135], 8)
+        except ValueError:
+            return None
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.TarError:
+        return None
+    return info.name, info.size

@@ -15,20 +15,22 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from ..arguments import shown_as, spelled
-from ..dest import PART_DIR
-from ..errors import DestinationError, PackerError, UrlError
-from ..lock import OutputLock
-from ..manifest import JOURNAL, MANIFEST
-from .cache import Cache
-from .fetch import retrying
-from .fs import filesystem
-from .url import RemoteUrl, parse_url
+from .arguments import shown_as, spelled
+from .coordinator import TIMEOUT_ENV, Coordinator, detect
+from .dest import PART, PART_DIR
+from .driver import pack_folder
+from .errors import DestinationError, PackerError, UrlError
+from .lock import OutputLock
+from .manifest import JOURNAL, MANIFEST
+from .options import pack_options
+from .remote.cache import Cache
+from .remote.fetch import retrying
+from .remote.fs import filesystem
+from .remote.url import RemoteUrl, parse_url
 
 READ_ONLY = ("http", "https")  # fsspec's HTTP filesystem cannot write
 DONE = ".packer-uploaded"  # under torchrun: a rank's part is uploaded
@@ -96,7 +98,7 @@ def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: di
 def _stale(existing: dict[str, dict], manifest: dict) -> list[str]:
     """Data files of a replaced dataset that the new one does not name (fewer shards, another format): only
     names a format writer uses, at the top or in a part folder; anything else under the URL is left alone."""
-    from ..formats.base import writer_files
+    from .formats.base import writer_files
 
     patterns = writer_files()
     kept = {e["path"] for e in manifest["files"]} | {MANIFEST}
@@ -111,8 +113,6 @@ def _stale(existing: dict[str, dict], manifest: dict) -> list[str]:
 
 def _done_url(remote: RemoteUrl, rank: int) -> str:
     """Where a rank says its part is uploaded: ``part-NNNNN/.packer-uploaded`` holding this conversion's token."""
-    from ..distributed import PART
-
     return remote.join(f"{PART.format(rank)}/{DONE}")
 
 
@@ -137,27 +137,24 @@ def _wait_for_ranks(remote: RemoteUrl, storage_options: dict | None, world: int,
             fs.invalidate_cache()
 
 
-def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, dest: str, format: str = "lmdb", *,
-                overwrite: bool = False, resume: bool = False, storage_options: dict | None = None,
+def pack_to_url(src: str | os.PathLike | Any, dest: str, format: str = "lmdb", *, overwrite: bool = False,
+                resume: bool = False, storage_options: dict | None = None,
                 cache_dir: str | os.PathLike | None = None, **options: Any) -> dict[str, Any]:
-    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...``, then uploaded. Data
-    files of a replaced dataset that the new one does not name are deleted after the new manifest. Under
-    torchrun the staging folder (the cache folder) must be shared by every rank, as a local DEST is; each
-    rank uploads its own part, and rank 0 the manifest once every part is in place. ``pack`` is
-    :func:`packer.pack` itself (passed in, so that this module does not import the one that calls it).
+    """:func:`packer.pack` into the URL ``dest``: converted into ``CACHE/staging/...`` (the conversion sequence
+    of :mod:`packer.driver`), then uploaded. Data files of a replaced dataset that the new one does not name are
+    deleted after the new manifest. Under torchrun the staging folder (the cache folder) must be shared by every
+    rank, as a local DEST is; each rank uploads its own part, and rank 0 the manifest once every part is in place.
 
     Raises:
         DestinationError: ``dest`` already holds a dataset (without ``overwrite``/``resume``), or files of an
             interrupted upload (without ``resume``/``overwrite``).
     """
-    from ..distributed import detect
-
     remote = parse_url(dest)
     if remote.protocol in READ_ONLY:
         raise UrlError(f"{dest}: {remote.protocol}:// is read-only for packer; pack to s3://, gs:// or a folder, "
                        "and serve that over HTTP")
-    context = detect(options.pop("distributed", None))  # the process group pack() then joins, under torchrun
-    rank = context.rank if context is not None else 0
+    context = detect(options.pop("distributed", None))  # the process group the conversion then uses, under torchrun
+    rank = context.rank
     cache = Cache(cache_dir)
     staging = cache.root / "staging" / cache.view(remote.url).name
     # one upload of a URL at a time: held from before anything is deleted until the last file is sent (pack
@@ -165,20 +162,17 @@ def pack_to_url(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, des
     lock = OutputLock(staging.parent / f"{staging.name}.upload", shown=dest) if rank == 0 else nullcontext()
     try:
         with lock:
-            return _pack_and_upload(pack, src, dest, remote, format, staging, context, overwrite or resume, resume,
+            return _pack_and_upload(src, dest, remote, format, staging, context, overwrite or resume, resume,
                                     storage_options, **options)
     finally:
-        if context is not None:  # also when the lock is refused: the other ranks then stop too
-            context.close()
+        context.close()  # also when the lock is refused: the other ranks then stop too
 
 
-def _pack_and_upload(pack: Callable[..., dict[str, Any]], src: str | os.PathLike, dest: str, remote: RemoteUrl,
-                     format: str, staging: Path, context: Any, replacing: bool, resume: bool,
-                     storage_options: dict | None, **options: Any) -> dict[str, Any]:
+def _pack_and_upload(src: str | os.PathLike | Any, dest: str, remote: RemoteUrl, format: str, staging: Path,
+                     context: Coordinator, replacing: bool, resume: bool, storage_options: dict | None,
+                     **options: Any) -> dict[str, Any]:
     """:func:`pack_to_url`'s work, under its lock."""
-    from ..distributed import PART, TIMEOUT_ENV
-
-    rank = context.rank if context is not None else 0
+    rank = context.rank
     fs = filesystem(remote.protocol, storage_options)
     existing = _listing(fs, remote)
     finished = MANIFEST in existing
@@ -193,14 +187,11 @@ def _pack_and_upload(pack: Callable[..., dict[str, Any]], src: str | os.PathLike
     if again and (staging / MANIFEST).exists() and rank == 0:
         print(f"packer: {dest}: the conversion had finished before the upload stopped; uploading the files that "
               "are not there yet", file=sys.stderr)
-    try:
-        with shown_as(staging, dest):  # messages name what the caller gave, not the staging folder
-            manifest = pack(src, staging, format, overwrite=True, resume=again, distributed=context is not None,
-                            **options)
-    finally:
-        if context is not None:
-            context.close()
-    if context is None:
+    ranks = context.world > 1
+    opts = pack_options(format, {**options, "overwrite": True, "resume": again, "distributed": ranks})
+    with shown_as(staging, dest):  # messages name what the caller gave, not the staging folder
+        manifest = pack_folder(src, staging, opts, context)  # closes the coordinator, as the conversion ends
+    if not ranks:
         upload(staging, manifest, remote, storage_options, resume)
     else:
         part = f"{PART.format(rank)}/"
