@@ -90,7 +90,7 @@ class StreamSample(NamedTuple):
     image: bytes
     ext: str
     label: int
-    fields: dict[str, bytes]
+    fields: dict[str, bytes | memoryview]
 
 
 class Reader(ABC):

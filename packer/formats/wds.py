@@ -308,7 +308,7 @@ class WdsReader(Reader):
         self.check_shapes(path, np.asarray(index["shape"]))
 
     @classmethod
-    def from_shards(cls, paths: list[str | os.PathLike], label_key: str | None = "cls",
+    def from_shards(cls, paths: Sequence[str | os.PathLike], label_key: str | None = "cls",
                     classes: list[str] | None = None, warn_skipped: bool = True,
                     keep_fields: bool = False) -> WdsReader:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,

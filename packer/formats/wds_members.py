@@ -123,13 +123,14 @@ def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None) -
         with tarfile.open(path, "r|") as tar:
             for member in tar:
                 parsed = sample_key(member.name) if member.isfile() else None
-                if parsed is None:
+                data = tar.extractfile(member) if parsed is not None else None
+                if parsed is None or data is None:
                     continue
                 if parsed[0] != key and key is not None:
                     yield _streamed(where, key, members, extras)
                     members = {}
                 key = parsed[0]
-                members[parsed[1]] = tar.extractfile(member).read()
+                members[parsed[1]] = data.read()
     except (OSError, tarfile.TarError) as exc:
         raise PackerError(f"{where}: damaged tar shard ({exc}); run `packer verify`") from None
     if key is not None:
@@ -141,7 +142,7 @@ def _streamed(where: object, key: str, members: dict[str, bytes], extras: Sequen
     ext = next((e for e in IMAGE_EXTS if e in members), None)
     if ext is None or ("cls" not in members and not extras):
         raise PackerError(f"{where}: sample {key} has no image or no .cls label; run `packer verify`")
-    values = {}
+    values: dict[str, bytes | memoryview] = {}
     for field in extras:
         member = field_member(field, members)
         if member is None:
