@@ -473,3 +473,34 @@ def test_stream_npy_members_are_plain_numpy(pack):
         assert [n.rsplit(".", 1)[1] for n in names] == ["npy", "cls", "json"]
         arr = np.load(io.BytesIO(tar.extractfile(names[0]).read()), allow_pickle=False)
     assert np.array_equal(arr, hwc(ds[0][0]))
+
+
+def test_stream_and_the_shard_scan_group_members_alike(pack):
+    """One grouping rule: the sequential reader ``stream`` uses and the scan of shards other tools wrote find
+    the same samples, keys and labels in a packed dataset's shards, in the manifest's counts."""
+    from packer.formats import get_format
+
+    path = pack("wds", "raw")
+    reader = get_format("wds")[1]
+    files = reader.stream_files(packer.read_manifest(path))
+    paths = [Path(path) / name for name, _ in files]
+    streamed = [[(s.key, s.label) for s in reader.stream_file(p)] for p in paths]
+    assert [len(samples) for samples in streamed] == [count for _, count in files]
+    scanned = scan_shards(paths, label_key="cls")
+    keys = [rel.rsplit("/", 1)[1].split(".", 1)[0] for rel in scanned.relpaths]
+    assert list(zip(keys, scanned.index["label"].tolist(), strict=True)) == [s for ss in streamed for s in ss]
+
+
+def test_close_all_closes_shared_handles_and_datasets_reopen(pack):
+    """``formats.close_all`` (what ``packer bench`` calls before evicting the page cache) closes the handles
+    readers share per process, LMDB's environments; a dataset reads on afterwards, reopening them."""
+    from packer.formats import close_all
+    from packer.formats import lmdb as lmdb_format
+
+    ds = packer.open_dataset(pack("lmdb", "raw"))
+    image, label = ds[3]
+    assert lmdb_format._ENVS
+    close_all()
+    assert not lmdb_format._ENVS
+    again, again_label = ds[3]
+    assert torch.equal(again, image) and again_label == label
