@@ -1,6 +1,9 @@
 """``make_loader``: a torch DataLoader with settings chosen for this machine, and ``to_device``.
 
-Each default and why (every one can be overridden by keyword):
+Each default and why (every one can be overridden by keyword). Which engine reads (packer's worker pool, decode
+threads in this process, or torch's workers), with how many workers and threads, pinning and prefetch, is decided
+in one place, :func:`packer.loader_plan.plan_loader`: the loader keeps it as ``loader.plan`` (printable, with a
+reason for each choice) and logs it at INFO on the ``packer.loader`` logger.
 
 - packer's datasets whose images have one shape (a packed size, or ``center_crop``/``random_resized_crop`` at read
   time) and no per-item ``transform``: one worker process per usable core (the affinity mask, which SLURM and taskset

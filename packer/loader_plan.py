@@ -178,46 +178,55 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
         threads, why["threads"] = applied["threads"], "tuned (loader.json)"
     elif threads is not None:
         why["threads"] = "threads= given"
-    stopped = None  # why packer's dataset does not get worker processes by default
-    if "num_workers" in overrides:
-        workers, why["workers"] = overrides["num_workers"], "num_workers= given"
-    elif "num_workers" in applied:
-        workers, why["workers"] = applied["num_workers"], "tuned (loader.json)"
-    elif not packed:
-        workers, why["workers"] = cores, "one per usable core"
+    if "num_workers" in overrides or "num_workers" in applied or not packed:
+        workers, why["workers"] = _given(overrides, applied, "num_workers", cores, "one per usable core")
+        stopped = None
     else:
-        factor = overrides.get("prefetch_factor") or applied.get("prefetch_factor", PREFETCH)
-        asked = next((f"{name}= given" for name, value in (("threads", threads), ("prefetch_batches",
-                      prefetch_batches)) if value is not None), None)
-        if asked == "threads= given" and why.get("threads", "").startswith("tuned"):
-            asked = "tuned threads (loader.json)"
-        stopped = asked or _no_default_pool(dataset, overrides, cores, batch_size, factor)
+        stopped = _in_process(dataset, overrides, applied, cores, batch_size, threads, prefetch_batches,
+                              tuned_threads=why.get("threads", "").startswith("tuned"))
         workers = 0 if stopped else cores
         why["workers"] = "none: the main process decodes" if stopped else "one per usable core"
-    engine: Engine
-    if workers <= 0:
-        engine = "threads"
-        why["engine"] = stopped or ("num_workers=0 given" if "num_workers" in overrides
-                                    else "tuned num_workers=0 (loader.json)")
-    else:
-        refusal = pool_refusal(dataset, overrides)
-        engine = "torch" if refusal else "pool"
-        why["engine"] = refusal or "images of one shape, decoded into shared memory"
+    engine, why["engine"] = _engine(dataset, overrides, workers, stopped)
     if threads is None:
         threads = cores if workers == 0 and packed else 1
         why["threads"] = "one per usable core" if workers == 0 and packed else "one per process"
-    if "pin_memory" in overrides:
-        pin, why["pin_memory"] = bool(overrides["pin_memory"]), "pin_memory= given"
-    elif "pin_memory" in applied:
-        pin, why["pin_memory"] = bool(applied["pin_memory"]), "tuned (loader.json)"
-    else:
-        pin, why["pin_memory"] = cuda, "CUDA is available" if cuda else "no CUDA"
+    pin, why["pin_memory"] = _given(overrides, applied, "pin_memory", cuda, "CUDA is available" if cuda else "no CUDA")
     if workers == 0:
         prefetch, why["prefetch"] = _prefetch(prefetch_batches, "prefetch_batches", applied)
     else:
         prefetch, why["prefetch"] = _prefetch(overrides.get("prefetch_factor"), "prefetch_factor", applied)
     order = ("engine", "workers", "threads", "pin_memory", "prefetch")
-    return LoaderPlan(engine, workers, threads, pin, prefetch, tuple((k, why[k]) for k in order), applied)
+    return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order), applied)
+
+
+def _given(overrides: Mapping[str, Any], applied: Mapping[str, Any], name: str, default: Any,
+           because: str) -> tuple[Any, str]:
+    """A setting from the caller's arguments, else the tuned ones, else ``default``; and which it was."""
+    if name in overrides:
+        return overrides[name], f"{name}= given"
+    if name in applied:
+        return applied[name], "tuned (loader.json)"
+    return default, because
+
+
+def _in_process(dataset: PackedDataset, overrides: Mapping[str, Any], applied: Mapping[str, Any], cores: int,
+                batch_size: int, threads: int | None, prefetch_batches: int | None, tuned_threads: bool) -> str | None:
+    """Why a packer dataset whose ``num_workers`` nobody gave decodes in the main process; None: it gets the pool."""
+    if threads is not None:
+        return "tuned threads (loader.json)" if tuned_threads else "threads= given"
+    if prefetch_batches is not None:
+        return "prefetch_batches= given"
+    factor = overrides.get("prefetch_factor") or applied.get("prefetch_factor", PREFETCH)
+    return _no_default_pool(dataset, overrides, cores, batch_size, factor)
+
+
+def _engine(dataset: Any, overrides: Mapping[str, Any], workers: int, stopped: str | None) -> tuple[Engine, str]:
+    """The engine for ``workers`` processes, and why (``stopped``: why a packer dataset has none by default)."""
+    if workers <= 0:
+        return "threads", stopped or ("num_workers=0 given" if "num_workers" in overrides
+                                      else "tuned num_workers=0 (loader.json)")
+    refusal = pool_refusal(dataset, overrides)
+    return ("torch", refusal) if refusal else ("pool", "images of one shape, decoded into shared memory")
 
 
 def _prefetch(given: int | None, name: str, applied: Mapping[str, Any]) -> tuple[int, str]:
