@@ -25,6 +25,7 @@ from packed_support import (
 from PIL import Image
 
 import packer
+from packer.decoding import ROW_DECODERS, CroppedJpegRow, JpegIntoRow
 from packer.formats.wds_foreign import scan_shards
 
 CLASSES = {"lmdb": packer.LmdbDataset, "hdf5": packer.Hdf5Dataset, "wds": packer.WdsDataset}
@@ -268,6 +269,23 @@ def test_getitems_equals_getitem(pack, fmt, case, threads):
         assert torch.equal(batch.images, torch.stack([image for image, _ in items]))
         assert batch.labels.dtype == torch.int64
         assert batch.labels.tolist() == [label for _, label in items]
+
+
+@pytest.mark.parametrize("store, kwargs, chosen", [
+    ("jpeg_fixed", {}, JpegIntoRow), ("jpeg_fixed", {"decoder": "fast"}, JpegIntoRow),
+    ("jpeg_fixed", {"center_crop": 96}, CroppedJpegRow),
+    ("original", {"resize": 72, "center_crop": 64}, CroppedJpegRow),
+    ("original", {}, None), ("jpeg_fixed", {"center_crop": 96, "decoder": "fast"}, None),
+    ("jpeg_fixed", {"decoder": "pil"}, None), ("jpeg_fixed", {"random_resized_crop": 64}, None), ("raw", {}, None)])
+def test_batch_rows_decode_through_the_first_row_decoder_of_the_table_that_serves(pack, store, kwargs, chosen):
+    """JPEGs at the output size, or with a centre crop left to do: simplejpeg straight into the row; the rest
+    (Pillow, augmentation, raw, images of another store or size): the general decode_array."""
+    ds = packer.open_dataset(pack("lmdb", store), **kwargs)
+    decoder = ds.row_decoder()
+    if chosen is None:
+        assert decoder == ds.decode_array and not any(kind.serves(ds) for kind in ROW_DECODERS)
+    else:
+        assert type(decoder) is chosen is next(kind for kind in ROW_DECODERS if kind.serves(ds))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
