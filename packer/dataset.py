@@ -442,10 +442,10 @@ class PackedDataset(Dataset):
         raws = reader.read_fields_many(indices, self.verify) if self._fields.needs_fields else [{}] * len(indices)
         items: list = [None] * len(indices)
 
-        def one(j: int) -> None:
+        def read_item(j: int) -> None:
             items[j] = self._item(indices[j], self._verified(indices[j], samples[j]), raws[j], epochs[j])
 
-        self._parallel(one, list(range(len(indices))), threads)
+        self._parallel(read_item, list(range(len(indices))), threads)
         result = FieldBatch(items)
         result.fields = self._fields.selected
         return result
