@@ -21,7 +21,7 @@ from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_de
 from .errors import DestinationError, NothingPackedError, UsageError
 from .journal import differences, discard, finish, open_journal
 from .lock import OutputLock, check_free
-from .manifest import MANIFEST, read_manifest
+from .manifest import MANIFEST, read_local_manifest
 from .options import args_doc, pack_options, signature_parameters
 from .remote.url import parse_url
 
@@ -118,7 +118,7 @@ def _exists(path: Path) -> bool:
 def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
     """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
     options; a :class:`DestinationError` otherwise, as for an unfinished one."""
-    manifest = read_manifest(dest)
+    manifest = read_local_manifest(dest)
     recorded = manifest.get("options")
     wanted = {k: v for k, v in plan.record.items() if k != "world_size"}
     if isinstance(recorded, dict):

@@ -38,7 +38,7 @@ from .engine import Plan, build_plan, convert_samples, make_manifest, prepare_de
 from .errors import DestinationError, NothingPackedError, PackerError, SourceError, UsageError
 from .journal import discard, finish, open_journal
 from .lock import OutputLock
-from .manifest import MANIFEST, read_manifest
+from .manifest import MANIFEST, read_local_manifest
 from .options import PackOptions
 from .system import usable_cores
 
@@ -320,7 +320,7 @@ def _run(ctx: Context, src: str | os.PathLike, options: PackOptions, dest: Path)
         if ctx.rank != 0:
             ctx.wait_key("manifest", 0, "rank 0 to write the manifest")
             ctx.mark_exit()
-            return read_manifest(dest)
+            return read_local_manifest(dest)
         ctx.wait_ranks("done", "every rank to finish its part")
         try:
             manifest = _merge(plan, dest, ranges, started)

@@ -28,7 +28,7 @@ from .fieldread import select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
 from .fields import decode as decode_value
 from .formats.wds_members import IMAGE_EXTS, stored_bytes
-from .manifest import read_manifest
+from .manifest import read_local_manifest
 from .masks import decode_mask
 from .remote.cache import parse_limit
 from .remote.resolve import RemoteFile, fetched, remote_files
@@ -370,7 +370,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
     else:
         root = Path(root)
-        manifest = read_manifest(root)
+        manifest = read_local_manifest(root)
     if not manifest.get("shards"):
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ManifestError
-from ..manifest import MANIFEST, read_manifest
+from ..manifest import MANIFEST, read_local_manifest
 from ..remote.resolve import local_dataset
 from .base import Reader, Sample, Writer, format_names, get_format, register, writer_files
 
@@ -45,7 +45,7 @@ def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
     root = local_dataset(root, storage_options, cache_dir, cache_limit)
-    manifest = read_manifest(root)
+    manifest = read_local_manifest(root)
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:
