@@ -80,7 +80,7 @@ def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "l
     if opts.resume and is_regular_file(dest / MANIFEST):
         try:
             return _finished(dest, build_plan(src, opts, quiet=context is not None and context.rank != 0),
-                             speak=context is None or context.rank == 0)
+                             announce=context is None or context.rank == 0)
         finally:
             if context is not None:
                 context.close()
@@ -115,7 +115,7 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
+def _finished(dest: Path, plan: Plan, announce: bool) -> dict[str, Any]:
     """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
     options; a :class:`DestinationError` otherwise, as for an unfinished one."""
     manifest = read_local_manifest(dest)
@@ -132,6 +132,6 @@ def _finished(dest: Path, plan: Plan, speak: bool) -> dict[str, Any]:
     if changed:
         raise DestinationError(f"{shown(dest)}: is a finished dataset packed with a different {', '.join(changed)}; "
                                f"run with the same source and options, or start again with {spelled('overwrite')}")
-    if speak and shown(dest) == os.fspath(dest):  # a URL's staging folder: the upload says what it does
+    if announce and shown(dest) == os.fspath(dest):  # a URL's staging folder: the upload says what it does
         print(f"packer: {dest} is already a finished dataset; nothing to resume", file=sys.stderr)
     return manifest
