@@ -393,7 +393,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         ValueError: (one line) an argument of the wrong type or range, naming it.
 
     Returns:
-        A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
+        A :class:`PrefetchLoader`; ``loader.plan`` (:class:`~packer.loader_plan.LoaderPlan`) says which engine
+        reads, with how many workers and threads, pinning and prefetch, and why each.
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     batch_size = 64 if batch_size is None else batch_size
