@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -51,7 +51,8 @@ class LoaderPlan:
         pin_memory: whether batches are asked for in pinned memory (it takes effect where CUDA is available).
         prefetch: batches made ahead: per worker process, or by the in-process loader's background thread.
         why: ``(setting, reason)`` for each of engine, workers, threads, pin_memory and prefetch.
-        tuned: the settings from ``loader.json`` (``packer bench --tune``) the plan uses.
+        tuned: the settings from ``loader.json`` (``packer bench --tune``) the plan uses, as ``(name, value)``
+            pairs (``dict(plan.tuned)``).
     """
 
     engine: Engine
@@ -60,7 +61,7 @@ class LoaderPlan:
     pin_memory: bool
     prefetch: int
     why: tuple[tuple[str, str], ...]
-    tuned: Mapping[str, Any] = field(default_factory=dict)
+    tuned: tuple[tuple[str, Any], ...] = ()
 
     def reason(self, setting: str) -> str:
         """The reason given for ``setting`` (``"engine"``, ``"workers"``, ``"threads"``, ``"pin_memory"``,
@@ -196,7 +197,8 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
     else:
         prefetch, why["prefetch"] = _prefetch(overrides.get("prefetch_factor"), "prefetch_factor", applied)
     order = ("engine", "workers", "threads", "pin_memory", "prefetch")
-    return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order), applied)
+    return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order),
+                      tuple(applied.items()))
 
 
 def _given(overrides: Mapping[str, Any], applied: Mapping[str, Any], name: str, default: Any,

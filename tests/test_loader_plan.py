@@ -105,6 +105,7 @@ def test_make_loader_builds_what_the_plan_says_and_logs_it(fixed, caplog):
         loader = packer.make_loader(fixed, batch_size=8, num_workers=2)
     plan = loader.plan
     assert isinstance(plan, LoaderPlan) and plan == plan_loader(fixed, 8, overrides={"num_workers": 2})
+    assert hash(plan) == hash(plan_loader(fixed, 8, overrides={"num_workers": 2}))  # a frozen, hashable value
     assert f"packer: loader plan: {plan}" in caplog.text
     assert (loader.num_workers, loader.threads) == (plan.workers, plan.threads)
     assert (loader.worker_pool_settings is not None) == (plan.engine == "pool")
