@@ -27,7 +27,7 @@ from .fieldread import select_fields
 from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
 from .fields import decode as decode_value
 from .formats import Reader, StreamSample, reader_class
-from .manifest import read_manifest
+from .manifest import read_local_manifest
 from .masks import decode_mask
 from .remote.cache import parse_limit
 from .remote.resolve import RemoteFile, fetched, remote_files
@@ -331,7 +331,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
     else:
         root = Path(root)
-        manifest = read_manifest(root)
+        manifest = read_local_manifest(root)
     reader = reader_class(manifest, f"{root}/manifest.json")
     entries = reader.stream_files(manifest)
     if not entries:

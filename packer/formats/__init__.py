@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..errors import ManifestError
-from ..manifest import MANIFEST, read_manifest
+from ..manifest import MANIFEST, read_local_manifest
 from ..remote.resolve import local_dataset
 from .base import Reader, Sample, StreamSample, Writer, format_names, get_format, readers, register, writer_files
 
@@ -46,7 +46,7 @@ def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
     root = local_dataset(root, storage_options, cache_dir, cache_limit)
-    manifest = read_manifest(root)
+    manifest = read_local_manifest(root)
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:
