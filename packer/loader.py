@@ -155,9 +155,12 @@ class PrefetchLoader(DataLoader):
         self.worker_pool_settings = worker_pool  # num_workers are packer's WorkerPool, started at the first pass
         self._worker_pool: WorkerPool | None = None
         self._received: Progress | None = None  # the latest iteration's pass and the batches handed out of it
+        self._prefetching: tuple[threading.Event, threading.Thread] | None = None  # the latest prefetch thread
 
     def __iter__(self):
         sampler = self._resumable_sampler()
+        if sampler is not None:
+            self._restart_untouched(sampler)
         epoch_pass = sampler.next_pass() if sampler is not None else None
         if self.worker_pool_settings is not None:
             if self._worker_pool is None:
@@ -167,10 +170,24 @@ class PrefetchLoader(DataLoader):
             iterator = uncrossed(super().__iter__())
         if self.num_workers == 0 and self.prefetch_batches > 0:
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
+            self._prefetching = iterator.stop, iterator.thread
         if epoch_pass is None:
             return iterator
         self._received = Progress(epoch_pass, epoch_pass.batches)
         return CountingIterator(iterator, self._received)
+
+    def _restart_untouched(self, sampler: ResumableSampler) -> None:
+        """When the latest iteration handed out no batch, the next one makes its pass again: for the caller it
+        never started (``iter(loader)`` twice), though a prefetch thread may have started it in the sampler. That
+        thread is stopped first, so that it takes nothing more from the sampler."""
+        received = self._received
+        if received is None or received.received or received.finished:
+            return
+        if self._prefetching is not None:
+            stop, thread = self._prefetching
+            stop.set()
+            thread.join()
+        sampler.load_state_dict(received.plan.state(0))
 
     @property
     def worker_pool(self) -> WorkerPool | None:
