@@ -43,8 +43,8 @@ def key_index(key: str) -> int:
 
 class StreamSamples(Reader):
     """The part of a :class:`~packer.formats.base.Reader` that :class:`~packer.decoding.Decoding` uses, for
-    samples that come from a tar stream rather than from an index: the dataset's transform spec (its mode
-    replaced by the stream's), whether images are stored raw, and where a sample is, for messages.
+    samples that come from a tar stream rather than from an index: the dataset's transform spec (for encoded
+    images, its mode replaced by the stream's), whether images are stored raw, and where a sample is, for messages.
     Nothing is read through it: the stream hands each decode its :class:`~packer.formats.base.Sample`."""
 
     format = "wds"
@@ -52,13 +52,14 @@ class StreamSamples(Reader):
     def __init__(self, root: Any, manifest: dict, mode: str):
         super().__init__(root, manifest)
         self.root_name = str(root)
-        if mode != self.spec.mode:  # the stream decodes to its own mode (a stored original may be either)
+        if mode != self.spec.mode and not self.is_raw:  # encoded images decode to the stream's mode; raw
+            # arrays are given as stored, in their own channels
             self.spec = copy.copy(self.spec)
             object.__setattr__(self.spec, "mode", mode)
         shape = self.manifest.get("shape")
         if shape and not self.is_raw and len(shape) == 3:  # encoded images decode to the stream's channels
             self.manifest = dict(self.manifest, shape=[shape[0], shape[1], self.spec.channels])
-        self.names: dict[int, str] = {}  # the index of each sample being decoded -> "SHARD sample KEY"
+        self.names: dict[int, str] = {}  # the index of each sample being decoded -> "ROOT sample KEY"
 
     def __len__(self) -> int:
         return int(self.manifest.get("count", 0))
