@@ -8,6 +8,9 @@ path, which its own tests compare with Pillow and torchvision.
 from __future__ import annotations
 
 import collections
+import io
+import shutil
+import tarfile
 import zlib
 
 import numpy as np
@@ -142,6 +145,32 @@ def test_fields_tuple_with_a_read_time_crop(fields_wds):
     for i in range(4):
         mask, image = ds[i]
         assert torch.equal(masks[i], mask) and torch.equal(images[i], image)
+
+
+def test_a_key_that_is_not_a_number_draws_its_window_from_its_crc32(tmp_path_factory, sample_data, tmp_path):
+    """Shards whose keys are strings (as other tools write them): each sample's window is the one of index
+    ``crc32(key)``, the same in every run."""
+    source = quick_start(tmp_path_factory, sample_data)
+    dest = tmp_path / "renamed"
+    shutil.copytree(source, dest)
+    keys = []
+    for shard in sorted(dest.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar if m.isfile()]
+        with tarfile.open(shard, "w") as tar:
+            for member, data in members:
+                key, ext = member.name.split(".", 1)
+                member.name = f"img-{key}.{ext}"
+                if not keys or keys[-1] != member.name.split(".")[0]:
+                    keys.append(member.name.split(".")[0])
+                tar.addfile(member, io.BytesIO(data))
+    options = {"random_resized_crop": 32, "flip": True, "seed": 4}
+    ds = packer.open_dataset(source, **options)
+    ds.reader.open()
+    images, _ = streamed(packer.stream(dest, 16, shuffle=False, num_workers=0, **options), 1)
+    for i in range(0, len(ds), 7):
+        want = ds.decode_array(zlib.crc32(keys[i].encode()), ds.reader.read(i), epoch=1)
+        assert torch.equal(images[i], torch.from_numpy(np.array(want)).permute(2, 0, 1)), i
 
 
 def test_a_samples_index_is_its_key():
