@@ -129,6 +129,7 @@ def summary_line(dest: str, manifest: dict) -> str:
 @handle_errors
 def info(dest, as_json) -> None:
     """Summarise the packed dataset DEST."""
+    from . import formats  # noqa: F401 - registers each format's check of its own manifest keys
     from .remote import read_manifest
 
     manifest = read_manifest(dest)
@@ -163,12 +164,7 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
         lines.append(f"  transform: {', '.join(geometry)}, interpolation {t['interpolation']}")
     if t.get("normalize"):
         lines.append(f"  normalized: mean {t['mean']}, std {t['std']}")
-    if manifest.get("shards"):
-        counts = [s["count"] for s in manifest["shards"]]
-        from .formats.wds import brace_pattern
-
-        lines.append(f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each")
-        lines.append(f"  webdataset: {brace_pattern(dest, [s['path'] for s in manifest['shards']])}")
+    lines += format_lines(dest, manifest)
     if manifest.get("parts"):
         lines.append(f"  converted by {len(manifest['parts'])} ranks, one folder each (part-00000...)")
     lines += class_count_lines(dest, manifest)
@@ -181,6 +177,18 @@ def info_lines(dest: str, manifest: dict) -> list[str]:
     if manifest.get("hidden_skipped"):
         lines.append(f"  hidden entries skipped: {manifest['hidden_skipped']}")
     return lines
+
+
+def format_lines(dest: str, manifest: dict) -> list[str]:
+    """What the dataset's format says of its own manifest keys (:meth:`packer.formats.Reader.summary`: WebDataset's
+    shards); nothing for a format this packer does not know (``verify`` names that)."""
+    from .formats import get_format
+
+    try:
+        _, reader = get_format(manifest["format"])
+    except ValueError:
+        return []
+    return reader.summary(dest, manifest)
 
 
 def class_count_lines(dest: str, manifest: dict) -> list[str]:

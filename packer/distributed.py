@@ -70,12 +70,7 @@ def merge(plan: Plan, dest: Path, world: int, started: float) -> dict[str, Any]:
                               "shared by every node (a network filesystem), not a node's local disk") from None
         except (OSError, ValueError) as exc:
             raise PackerError(f"{path}: unreadable ({exc}); run the same command with --resume") from None
-    extras: dict[str, Any] = {}
-    for r, info in enumerate(infos):
-        prefix = PART.format(r)
-        for key in ("files", "shards"):
-            if key in info:
-                extras.setdefault(key, []).extend({**e, "path": f"{prefix}/{e['path']}"} for e in info[key])
+    extras = plan.writer_cls.merge_parts({PART.format(r): info for r, info in enumerate(infos)})
     count = sum(int(info["count"]) for info in infos)
     if count == 0:
         raise NothingPackedError(f"{plan.record['source']}: none of the {len(plan.order)} images could be read; "

@@ -31,7 +31,7 @@ from . import __version__
 from .dest import dataset_problems, prepare_output
 from .errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
 from .fields import is_pair_schema
-from .formats.base import get_format
+from .formats.base import Writer, get_format
 from .journal import save, write_failed
 from .lock import check_parts_free
 from .manifest import FORMAT_VERSION, PLAIN_FORMAT_VERSION
@@ -110,7 +110,7 @@ class Plan:
 
     source: Source
     options: PackOptions  # as given, with ``shuffle`` settled
-    writer_cls: type
+    writer_cls: type[Writer]
     spec: TransformSpec
     record: dict[str, Any]  # the conversion's "options" in the journal and manifest: what --resume compares
     order: array  # array("q"): 8 bytes a sample, where a list of ints holds ~36

@@ -6,9 +6,10 @@ It is plain JSON (nothing in it is evaluated). Top-level keys:
 ``count``, ``classes``, ``class_to_idx``, ``transform`` (store, resize, crop, normalize... see
 :class:`packer.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
 (shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
-and sha256), ``shards`` (WebDataset: per-shard sample counts), ``skipped`` (unreadable files with their error),
-``hidden_skipped``, ``empty_classes``, ``scan_errors`` and ``options`` (the source and options of the
-conversion, which ``--resume`` on a finished dataset compares).
+and sha256), ``skipped`` (unreadable files with their error), ``hidden_skipped``, ``empty_classes``,
+``scan_errors`` and ``options`` (the source and options of the conversion, which ``--resume`` on a finished
+dataset compares). A format adds keys of its own (WebDataset: ``shards``, per-shard sample counts): its module
+reads and checks them (:meth:`packer.formats.Reader.check_manifest`, run here through :func:`add_key_check`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ PLAIN_FORMAT_VERSION = 1  # an image-and-class dataset is still written as 1, wh
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read (PACKER_MAX_MANIFEST_BYTES)
 REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,
             "transform": dict, "files": list}
+# the checks of the keys each format owns, added as packer.formats registers them: a module that reads such a key
+# imports packer.formats, so every manifest it reads was checked
+_KEY_CHECKS: list[Callable[[dict, str], None]] = []
+
+
+def add_key_check(check: Callable[[dict, str], None]) -> None:
+    """Have :func:`parse_manifest` run ``check(data, where)`` on every manifest (a format's check of its own keys,
+    raising :class:`ManifestError`)."""
+    if check not in _KEY_CHECKS:
+        _KEY_CHECKS.append(check)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22, progress: Callable[[int], object] | None = None) -> str:
@@ -90,11 +101,8 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
                 and is_safe_relpath(entry["path"])):
             raise ManifestError(f"{where}: malformed entry in 'files'; the dataset is damaged, re-pack it")
-    shards = data.get("shards", [])
-    if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("path"), str) and is_safe_relpath(s["path"])
-            and isinstance(s.get("count", 0), int) for s in shards):
-        raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
+    for check in _KEY_CHECKS:
+        check(data, where)
     from .transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
 
     try:
@@ -121,8 +129,6 @@ def _check_geometry(data: dict, spec, where: str) -> None:
     if "dtype" in data and data["dtype"] != spec.dtype:
         raise ManifestError(f"{where}: 'dtype' {str(data['dtype'])[:30]!r} disagrees with the transform's "
                             f"{spec.dtype!r}; the dataset is damaged, re-pack it")
-    if any(isinstance(s.get("count", 0), bool) or s.get("count", 0) < 0 for s in data.get("shards", [])):
-        raise ManifestError(f"{where}: a negative count in 'shards'; the dataset is damaged, re-pack it")
 
 
 def label_bounds(manifest: dict) -> tuple[int, int]:
@@ -190,9 +196,9 @@ def _not_a_dataset(dest: Path) -> IncompleteDatasetError:
                                   "--overwrite to start again)")
 
 
-def read_manifest(dest: str | os.PathLike) -> dict:
-    """Read ``DEST/manifest.json``; a folder without one is a conversion that did not finish. For a folder or a
-    URL, :func:`packer.read_manifest` (:func:`packer.remote.read_manifest`)."""
+def read_local_manifest(dest: str | os.PathLike) -> dict:
+    """Read ``DEST/manifest.json`` of a local folder; a folder without one is a conversion that did not finish.
+    For a folder or a URL, :func:`packer.read_manifest` (:func:`packer.remote.read_manifest`)."""
     dest = Path(dest)
     path = dest / MANIFEST
     if not dest.is_dir():

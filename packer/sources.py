@@ -9,7 +9,8 @@ process uses to read sample ``i`` and convert it.
 - :class:`PackedSource`: a folder with a ``manifest.json`` (any format, also one converted by several ranks), read
   through its reader (:func:`packer.formats.open_reader`): the stored bytes, or the stored array for ``raw``.
 - :class:`ShardsSource`: ``.tar`` shards written by any WebDataset tool (``webdataset.ShardWriter``, img2dataset),
-  a folder of them, a single one, or a glob; read through :meth:`WdsReader.from_shards` with a ``label_key``.
+  a folder of them, a single one, or a glob; read through the reader the registry gives for them
+  (:func:`packer.formats.foreign_reader`) with a ``label_key``.
 
 A repacked sample keeps the relative path it has in its source, so repacking keeps relpaths, and with
 ``store=original`` the exact stored bytes.
@@ -27,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ImageError, PackerError, SourceError, UsageError, warn
-from .formats import Reader, open_reader
-from .formats.wds import WdsReader
+from .fields import label_field
+from .formats import Reader, foreign_reader, open_reader
 from .manifest import JOURNAL, MANIFEST
 from .scan import scan_folder
 from .source_base import SampleReader, Source
@@ -37,7 +38,9 @@ from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert
 
 
 # -- image folders -----------------------------------------------------------------------------------------------
-class FolderReader(SampleReader):
+class FolderSampleReader(SampleReader):
+    """The source images of an image folder, read and converted one by one for a conversion."""
+
     def __init__(self, root: str, samples: list[tuple[str, int]]):
         self.root = root
         self.samples = samples
@@ -87,7 +90,7 @@ class FolderSource(Source):
         return self._stat()[1]
 
     def reader(self) -> SampleReader:
-        return FolderReader(str(self.root), self.samples)
+        return FolderSampleReader(str(self.root), self.samples)
 
     def where(self, relpath: str) -> str:
         return str(self.root / relpath)
@@ -182,24 +185,23 @@ class ShardsSource(Source):
     kind = "shards"
 
     def __init__(self, paths: list[Path], label_key: str | None = None, pattern: str | None = None):
-        reader = WdsReader.from_shards(paths, label_key=label_key, warn_skipped=False, keep_fields=True)
+        reader = foreign_reader(paths, label_key=label_key)
         super().__init__(reader.root, reader.classes, len(reader))
         self.errors = list(reader.skipped)  # link and repeated members: warned about and listed in the manifest
         self.stored_reader = reader
         self.paths = [Path(p) for p in paths]
         self.label_key = label_key or ""
         self.schema = list(reader.schema)
-        if not reader.foreign.labelled:
+        if label_field(self.schema) is None:
             warn(f"{paths[0]}: no sample has a .cls member, so the samples get no class; pass --label-key "
                  "(txt, json:FIELD...) to take one from another member")
         self.pattern = pattern
-        index = reader.foreign.index
-        labels = index["label"].astype(np.int64)
-        present = np.bincount(labels[labels >= 0], minlength=len(self.classes)) if self.classes else []
+        present = reader.class_counts() if self.classes else []
         self.empty_classes = [c for c, n in zip(self.classes, present, strict=False) if n == 0]
 
     def sizes(self) -> np.ndarray:
-        return self.stored_reader.foreign.index["size"].astype(np.int64)
+        sizes = self.stored_reader.stored_sizes()
+        return sizes if sizes is not None else np.ones(self.count, np.int64)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.label_key.encode())

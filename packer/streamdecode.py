@@ -26,10 +26,7 @@ from .errors import CorruptDataError, PackerError
 from .fieldbatch import collate_column, field_tensor
 from .fieldread import FieldDecoder, select_fields
 from .fields import is_pair_schema
-from .formats.base import Reader, Sample
-
-# a stream sample as packer.streaming reads it: (key, image bytes, image extension, label, {field: stored bytes})
-StreamSample = tuple[str, bytes, str, int, dict[str, bytes]]
+from .formats.base import Reader, Sample, StreamSample
 
 
 def key_index(key: str) -> int:
@@ -46,8 +43,6 @@ class StreamSamples(Reader):
     samples that come from a tar stream rather than from an index: the dataset's transform spec (for encoded
     images, its mode replaced by the stream's), whether images are stored raw, and where a sample is, for messages.
     Nothing is read through it: the stream hands each decode its :class:`~packer.formats.base.Sample`."""
-
-    format = "wds"
 
     def __init__(self, root: Any, manifest: dict, mode: str):
         super().__init__(root, manifest)
@@ -126,7 +121,7 @@ class StreamDecoder:
         try:
             if self.pair:
                 return self._pairs(indices, samples, epoch)
-            return self._fields(indices, samples, [values for *_, values in batch], epoch)
+            return self._fields(indices, samples, [s.fields for s in batch], epoch)
         finally:
             self.samples.names = {}
 
@@ -162,7 +157,8 @@ class StreamDecoder:
         """An uninitialised batch array, where decoding writes fastest."""
         return decode_buffer(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
 
-    def _fields(self, indices: list[int], samples: list[Sample], raws: list[dict[str, bytes]], epoch: int) -> Any:
+    def _fields(self, indices: list[int], samples: list[Sample], raws: list[dict[str, bytes | memoryview]],
+                epoch: int) -> Any:
         """A batch of a dataset with fields (or ``fields=``), as :func:`packer.make_loader` gives it: images and
         masks decoded into their batch arrays when the images have one size, numbers stacked, the rest lists."""
         d, fields = self.decoding, self.fields

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from . import arguments
 from .errors import PackerError, UsageError, carried, uncrossed
 from .fields import Field
-from .formats.wds_members import IMAGE_EXTS, stored_bytes
-from .manifest import read_manifest
+from .formats import Reader, StreamSample, reader_class
+from .manifest import read_local_manifest
 from .remote.cache import parse_limit
 from .remote.resolve import RemoteFile, fetched, remote_files
 from .remote.url import parse_url
@@ -37,51 +36,11 @@ from .system import die_with_parent, usable_cores
 _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
 
 
-def shard_samples(shard: Path | RemoteFile, extras: Sequence[Field] = ()
-                  ) -> Iterator[tuple[str, bytes, str, int, dict[str, bytes]]]:
-    """``(key, image bytes, image extension, label, {field: stored bytes})`` of each sample of a shard, read
-    sequentially (a remote shard from its cached copy, held only while it is read); the bytes of the
-    ``extras`` fields are their members' (:func:`packer.formats.wds.field_member`)."""
-    key, members = None, {}
-    path = shard  # what messages name: the file, or the remote shard's URL
-    try:
-        with fetched(shard) as local, tarfile.open(local, "r|") as tar:
-            for member in tar:
-                if not member.isfile() or "." not in member.name:
-                    continue
-                name, ext = member.name.split(".", 1)
-                if name != key and key is not None:
-                    yield sample_of(path, key, members, extras)
-                    members = {}
-                key = name
-                members[ext.lower()] = tar.extractfile(member).read()
-    except (OSError, tarfile.TarError) as exc:
-        raise PackerError(f"{path}: damaged tar shard ({exc}); run `packer verify`") from None
-    if key is not None:
-        yield sample_of(path, key, members, extras)
-
-
-def sample_of(path: Path, key: str, members: dict[str, bytes], extras: Sequence[Field] = ()
-              ) -> tuple[str, bytes, str, int, dict[str, bytes]]:
-    ext = next((e for e in IMAGE_EXTS if e in members), None)
-    if ext is None or ("cls" not in members and not extras):
-        raise PackerError(f"{path}: sample {key} has no image or no .cls label; run `packer verify`")
-    values = {}
-    for field in extras:
-        member = field_member(field, members)
-        if member is None:
-            raise PackerError(f"{path}: sample {key} has no member for field {field.name!r}; run `packer verify`")
-        values[field.name] = stored_bytes(field, members[member], f"{path} sample {key}")
-    label = int(members["cls"]) if "cls" in members else -1
-    return key, members[ext], ext, label, values
-
-
-def field_member(field: Field, members: dict[str, bytes]) -> str | None:
-    """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
-    a field named as its extension (:func:`packer.formats.wds.member_suffix`)."""
-    if field.name in members:
-        return field.name
-    return next((m for m in members if m.startswith(field.name + ".")), None)
+def shard_samples(shard: Path | RemoteFile, extras: Sequence[Field], reader: type[Reader]) -> Iterator[StreamSample]:
+    """The samples of a shard, read sequentially by its format (:meth:`~packer.formats.Reader.stream_file`); a
+    remote shard from its cached copy, held only while it is read."""
+    with fetched(shard) as local:
+        yield from reader.stream_file(local, extras, shard)
 
 
 def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -146,8 +105,9 @@ class ShardStreams(IterableDataset):
     ``skip[s]`` batches of stream ``s`` are replayed without decoding. The first worker runs stream ``first``,
     so that a resumed epoch hands the streams' batches out in the uninterrupted epoch's turn."""
 
-    def __init__(self, settings: dict[str, Any], decoder: StreamDecoder, buffer: int):
+    def __init__(self, settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *, reader: type[Reader]):
         self.settings, self.decoder, self.buffer = settings, decoder, buffer
+        self.reader = reader  # the format's reader class, whose stream_file reads a shard
         self.extras = decoder.fields.extras  # the fields read from each sample's members beyond image and label
         self.plan: StreamPlan | None = None
         self.skip: list[int] = []
@@ -161,7 +121,7 @@ class ShardStreams(IterableDataset):
 
     def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         plan, settings = self.plan, self.settings
-        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path, self.extras))
+        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path, self.extras, self.reader))
         if settings["shuffle"]:
             rng = np.random.default_rng([settings["seed"], plan.epoch, plan.rank, stream])
             samples = buffer_shuffled(samples, self.buffer, rng)
@@ -187,11 +147,11 @@ class StreamLoader:
     at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
 
     def __init__(self, shards: list[tuple[Path | RemoteFile, int]], settings: dict[str, Any], decoder: StreamDecoder,
-                 buffer: int):
+                 buffer: int, *, reader: type[Reader]):
         self.shards = shards
         self.rank, self.world = distributed_rank_world()
         self.settings = dict(settings, world_size=self.world)
-        self.dataset = ShardStreams(self.settings, decoder, buffer)
+        self.dataset = ShardStreams(self.settings, decoder, buffer, reader=reader)
         self.epoch, self.resume_at = 0, 0
         self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
@@ -326,12 +286,13 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
     else:
         root = Path(root)
-        manifest = read_manifest(root)
-    if not manifest.get("shards"):
+        manifest = read_local_manifest(root)
+    reader = reader_class(manifest, f"{root}/manifest.json")
+    entries = reader.stream_files(manifest)
+    if not entries:
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")
-    shards = [(files[s["path"]] if files is not None else root / s["path"], int(s["count"]))
-              for s in manifest["shards"]]
+    shards = [(files[path] if files is not None else root / path, count) for path, count in entries]
     workers = usable_cores() if num_workers is None else num_workers
     if files is not None and cache:
         _check_cache_limit(cache_limit, [entry.entry["bytes"] for entry, _ in shards], max(workers, 1))
@@ -340,4 +301,5 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     decoding = {"resize": resize, "center_crop": center_crop, "interpolation": interpolation, "decoder": decoder,
                 "random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip,
                 "seed": seed}
-    return StreamLoader(shards, settings, StreamDecoder(root, manifest, mode, fields, **decoding), buffer)
+    return StreamLoader(shards, settings, StreamDecoder(root, manifest, mode, fields, **decoding), buffer,
+                        reader=reader)

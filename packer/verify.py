@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
-from .manifest import label_bounds, read_manifest, sha256_file
+from .manifest import label_bounds, read_local_manifest, sha256_file
 from .remote.url import parse_url
 
 
@@ -40,7 +40,7 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
 
         return verify_url(verify, os.fspath(dest), deep)
     dest = Path(dest)
-    manifest = read_manifest(dest)
+    manifest = read_local_manifest(dest)
     problems: list[str] = []
     damaged_files = set()
     bar = tqdm(total=sum(e["bytes"] for e in manifest["files"]), desc="checking files", unit="B", unit_scale=True,

@@ -1,5 +1,6 @@
 """Project metadata agrees with itself (environment.yml and pyproject.toml list the same dependencies), and the
-package keeps its structure: no import cycle, no module over 600 lines, no format name compared outside formats/.
+package keeps its structure: no import cycle, no module over 600 lines, no format name compared, no format module
+imported and no format's manifest key read outside formats/ (documented exceptions only).
 
 Lint is not run here: CI (.ci/run) runs ``ruff check .`` before the tests."""
 
@@ -236,3 +237,64 @@ def test_no_branching_on_a_format_name_outside_the_formats_package():
                 if any(isinstance(v, ast.Constant) and v.value in names for v in values):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Each format owns its knowledge: its modules are imported inside formats/ only, its manifest keys read there
+# --------------------------------------------------------------------------------------------------------------
+# The registry's interface, importable from anywhere: packer.formats (open_reader, get_format, reader_class,
+# foreign_reader, close_all...) and packer.formats.base (Reader, Writer, Sample).
+FORMATS_INTERFACE = {"packer.formats", "packer.formats.base"}
+# module outside formats/ -> the format modules it may import, each with its reason
+FORMAT_IMPORTS_ALLOWED = {
+    # LmdbDataset, Hdf5Dataset and WdsDataset are thin public subclasses that each name their reader class
+    # (WdsDataset.from_shards calls WdsReader.from_shards); open_dataset itself goes through the registry
+    "packer.dataset": {"packer.formats.lmdb", "packer.formats.hdf5", "packer.formats.wds"},
+}
+# manifest keys a format adds, read only by its module (through the hooks: check_manifest, summary, merge_parts,
+# stream_files)
+FORMAT_MANIFEST_KEYS = {"shards"}
+# module -> how many times it may name such a key for something else, and why
+KEY_MENTIONS_ALLOWED = {
+    "packer/sources.py": 1,  # ShardsSource.kind = "shards": the kind of source (source_base.Source.kind)
+}
+
+
+def format_modules(graph: dict[str, set[str]]) -> set[str]:
+    return {m for m in graph if m.startswith("packer.formats.") and m not in FORMATS_INTERFACE}
+
+
+def test_format_modules_are_imported_inside_formats_only():
+    """A module outside ``packer/formats/`` that imports ``packer.formats.<name>`` (``lmdb``, ``wds``,
+    ``wds_members``...) holds that format's knowledge, which a new format could not extend: it goes through the
+    registry's hooks instead. The allowed exceptions are listed above, each with its reason."""
+    graph = module_imports()
+    formats = format_modules(graph)
+    assert {"packer.formats.lmdb", "packer.formats.wds", "packer.formats.wds_members"} <= formats
+    found = {module: sorted(imported & (formats - FORMAT_IMPORTS_ALLOWED.get(module, set())))
+             for module, imported in graph.items() if not module.startswith("packer.formats")}
+    assert {module: names for module, names in found.items() if names} == {}
+    unused = {module: sorted(allowed - graph.get(module, set())) for module, allowed in FORMAT_IMPORTS_ALLOWED.items()}
+    assert {module: names for module, names in unused.items() if names} == {}, "an exception no longer needed"
+
+
+def key_mentions(tree: ast.AST, keys: set[str]) -> list[int]:
+    """Lines that name one of ``keys`` as a string: ``m["shards"]``, ``m.get("shards")``, ``for key in ("files",
+    "shards")``; not a key of a dict display, which writes a mapping of its own (a source's description)."""
+    written = {id(k) for node in ast.walk(tree) if isinstance(node, ast.Dict) for k in node.keys if k is not None}
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in keys and id(node) not in written]
+
+
+def test_format_manifest_keys_are_read_inside_formats_only():
+    """The manifest keys a format adds (WebDataset's ``shards``) are read by that format's module: ``info``'s
+    lines, the merge of a distributed conversion's parts, the manifest's checks and ``stream`` ask its hooks."""
+    sample = 'm["shards"]; m.get("shards", [])\nfor key in ("files", "shards"): pass\nd = {"shards": 1}'
+    assert key_mentions(ast.parse(sample), {"shards"}) == [1, 1, 2]
+    found = {}
+    for path in (REPO / "packer").rglob("*.py"):
+        name = path.relative_to(REPO).as_posix()
+        lines = key_mentions(ast.parse(path.read_text(encoding="utf-8")), FORMAT_MANIFEST_KEYS)
+        if "formats" not in path.relative_to(REPO).parts and len(lines) != KEY_MENTIONS_ALLOWED.get(name, 0):
+            found[name] = lines
+    assert found == {}

@@ -25,6 +25,7 @@ from packed_support import (
 from PIL import Image
 
 import packer
+from packer.decoding import ROW_DECODERS, CroppedJpegRow, Decoding, JpegIntoRow
 from packer.formats.wds_foreign import scan_shards
 
 CLASSES = {"lmdb": packer.LmdbDataset, "hdf5": packer.Hdf5Dataset, "wds": packer.WdsDataset}
@@ -99,6 +100,19 @@ def test_open_dataset_gives_the_format_class(pack, fmt):
             assert ds.relpath(i) == direct.relpath(i)
             a, b = ds[i], direct[i]
             assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_a_dataset_holds_its_decoding_and_routes_each_keyword(pack):
+    """The read-time arguments build the dataset's Decoding, the reader's own options its reader; the read-time
+    settings stay readable on the dataset."""
+    ds = packer.LmdbDataset(pack("lmdb", "original"), resize=72, center_crop=64, flip=True, seed=7, readahead=False)
+    assert isinstance(ds.decoding, Decoding) and not isinstance(ds, Decoding)
+    assert ds.decoding.reader is ds.reader and ds.reader.readahead is False
+    assert (ds.resize, ds.center_crop, ds.flip, ds.seed, ds.augments, ds.epoch) == (72, (64, 64), True, 7, True, 0)
+    ds.set_epoch(2)
+    assert ds.epoch == ds.decoding.epoch == 2 and ds.output_shape() == (64, 64, 3)
+    with pytest.raises(TypeError):
+        packer.LmdbDataset(pack("lmdb", "original"), sharpen=True)  # neither the decoding's nor the reader's
 
 
 @pytest.mark.parametrize("store", ["original", "jpeg", "png", "raw", "raw_normalize"])
@@ -268,6 +282,24 @@ def test_getitems_equals_getitem(pack, fmt, case, threads):
         assert torch.equal(batch.images, torch.stack([image for image, _ in items]))
         assert batch.labels.dtype == torch.int64
         assert batch.labels.tolist() == [label for _, label in items]
+
+
+@pytest.mark.parametrize("store, kwargs, chosen", [
+    ("jpeg_fixed", {}, JpegIntoRow), ("jpeg_fixed", {"decoder": "fast"}, JpegIntoRow),
+    ("jpeg_fixed", {"center_crop": 96}, CroppedJpegRow),
+    ("original", {"resize": 72, "center_crop": 64}, CroppedJpegRow),
+    ("original", {}, None), ("jpeg_fixed", {"center_crop": 96, "decoder": "fast"}, None),
+    ("jpeg_fixed", {"decoder": "pil"}, None), ("jpeg_fixed", {"random_resized_crop": 64}, None), ("raw", {}, None)])
+def test_batch_rows_decode_through_the_first_row_decoder_of_the_table_that_serves(pack, store, kwargs, chosen):
+    """JPEGs at the output size, or with a centre crop left to do: simplejpeg straight into the row; the rest
+    (Pillow, augmentation, raw, images of another store or size): the general decode_array."""
+    ds = packer.open_dataset(pack("lmdb", store), **kwargs)
+    decoding = ds.decoding  # the dataset holds its decoding
+    decoder = ds.row_decoder()
+    if chosen is None:
+        assert decoder == decoding.decode_array and not any(kind.serves(decoding) for kind in ROW_DECODERS)
+    else:
+        assert type(decoder) is chosen is next(kind for kind in ROW_DECODERS if kind.serves(decoding))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -473,3 +505,34 @@ def test_stream_npy_members_are_plain_numpy(pack):
         assert [n.rsplit(".", 1)[1] for n in names] == ["npy", "cls", "json"]
         arr = np.load(io.BytesIO(tar.extractfile(names[0]).read()), allow_pickle=False)
     assert np.array_equal(arr, hwc(ds[0][0]))
+
+
+def test_stream_and_the_shard_scan_group_members_alike(pack):
+    """One grouping rule: the sequential reader ``stream`` uses and the scan of shards other tools wrote find
+    the same samples, keys and labels in a packed dataset's shards, in the manifest's counts."""
+    from packer.formats import get_format
+
+    path = pack("wds", "raw")
+    reader = get_format("wds")[1]
+    files = reader.stream_files(packer.read_manifest(path))
+    paths = [Path(path) / name for name, _ in files]
+    streamed = [[(s.key, s.label) for s in reader.stream_file(p)] for p in paths]
+    assert [len(samples) for samples in streamed] == [count for _, count in files]
+    scanned = scan_shards(paths, label_key="cls")
+    keys = [rel.rsplit("/", 1)[1].split(".", 1)[0] for rel in scanned.relpaths]
+    assert list(zip(keys, scanned.index["label"].tolist(), strict=True)) == [s for ss in streamed for s in ss]
+
+
+def test_close_all_closes_shared_handles_and_datasets_reopen(pack):
+    """``formats.close_all`` (what ``packer bench`` calls before evicting the page cache) closes the handles
+    readers share per process, LMDB's environments; a dataset reads on afterwards, reopening them."""
+    from packer.formats import close_all
+    from packer.formats import lmdb as lmdb_format
+
+    ds = packer.open_dataset(pack("lmdb", "raw"))
+    image, label = ds[3]
+    assert lmdb_format._ENVS
+    close_all()
+    assert not lmdb_format._ENVS
+    again, again_label = ds[3]
+    assert torch.equal(again, image) and again_label == label

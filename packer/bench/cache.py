@@ -119,11 +119,11 @@ def dataset_files(root: str | os.PathLike) -> list[Path]:
 
 def release_handles() -> None:
     """Unmap this process's datasets so that an eviction can take: drop unreferenced datasets (their maps and
-    loader threads), then close the LMDB environments packer keeps per process and path. Only call this with no
-    loader running: closing a map under a reading thread crashes. The datasets reopen lazily; mincore then says
-    whether anything was left mapped."""
+    loader threads), then close the handles formats share per process (:func:`packer.formats.close_all`: LMDB's
+    environments). Only call this with no loader running: closing a map under a reading thread crashes. The
+    datasets reopen lazily; mincore then says whether anything was left mapped."""
     gc.collect()
-    from ..formats.lmdb import close_environments
+    from ..formats import close_all
 
-    close_environments()
+    close_all()
 

@@ -8,11 +8,12 @@ is the order of :func:`format_names`. Nothing here imports torch: the torch Data
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from ..errors import ManifestError
-from ..manifest import MANIFEST, read_manifest
+from ..manifest import MANIFEST, read_local_manifest
 from ..remote.resolve import local_dataset
-from .base import Reader, Sample, Writer, format_names, get_format, register, writer_files
+from .base import Reader, Sample, StreamSample, Writer, format_names, get_format, readers, register, writer_files
 
 # isort: off
 # importing a format module registers it: this order is format_names()'s, the first the default
@@ -22,8 +23,8 @@ from . import wds  # noqa: F401
 # isort: on
 from .parts import PartedReader
 
-__all__ = ["PartedReader", "Reader", "Sample", "Writer", "format_names", "get_format", "open_reader", "register",
-           "writer_files"]
+__all__ = ["PartedReader", "Reader", "Sample", "StreamSample", "Writer", "close_all", "foreign_reader",
+           "format_names", "get_format", "open_reader", "reader_class", "register", "writer_files"]
 
 
 def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
@@ -45,7 +46,7 @@ def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
     root = local_dataset(root, storage_options, cache_dir, cache_limit)
-    manifest = read_manifest(root)
+    manifest = read_local_manifest(root)
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:
@@ -53,3 +54,30 @@ def open_reader(root: str | os.PathLike, storage_options: dict | None = None,
     if manifest.get("parts") is not None:  # converted by several ranks: one reader per part
         return PartedReader(root, manifest=manifest, **options)
     return reader(root, manifest=manifest, **options)
+
+
+def reader_class(manifest: dict, where: str | os.PathLike) -> type[Reader]:
+    """The reader class of the format ``manifest`` names (its hooks answer for that format's keys: ``summary``,
+    ``stream_files``...); a :class:`ManifestError` naming ``where`` (the manifest) for an unknown format."""
+    try:
+        return get_format(manifest["format"])[1]
+    except ValueError as exc:
+        raise ManifestError(f"{os.fspath(where)}: {exc}") from None
+
+
+def foreign_reader(paths: list[Path], label_key: str | None = None) -> Reader:
+    """A reader over data files another tool wrote (WebDataset shards from ``webdataset.ShardWriter``,
+    img2dataset...): the first registered format that reads them (:meth:`Reader.from_foreign`), every member
+    beyond the image and the label kept as a field; what it leaves out is in its ``skipped``."""
+    for reader in readers():
+        found = reader.from_foreign(paths, label_key)
+        if found is not None:
+            return found
+    raise ValueError(f"{paths[0] if paths else 'no files'}: no format reads these files")
+
+
+def close_all() -> None:
+    """Close the handles every format's readers share per process (:meth:`Reader.close_process_handles`); they
+    reopen on next use. Only while no loader is reading: closing a map under a reading thread crashes."""
+    for reader in readers():
+        reader.close_process_handles()

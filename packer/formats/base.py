@@ -12,6 +12,7 @@ import operator
 import os
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
-from ..manifest import label_bounds, read_manifest
+from ..manifest import add_key_check, label_bounds, read_local_manifest
 from ..transforms import Encoded, TransformSpec
 
 
@@ -63,6 +64,13 @@ class Writer(ABC):
     def abort(self) -> None:  # noqa: B027 - most writers have nothing to release
         """Release what is open after a failure; leave the files for --resume."""
 
+    @classmethod
+    def merge_parts(cls, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The manifest entries of a conversion made in parts (one per rank), from each part's record by its
+        folder (``part-00000``...): every part's ``files``, named from DEST. Formats that add keys of their own
+        (WebDataset's ``shards``) merge those too."""
+        return prefixed_entries(parts, ("files",))
+
 
 class Sample(NamedTuple):
     """One stored sample as a reader finds it: the payload (a buffer, not yet copied) and what it needs."""
@@ -71,6 +79,18 @@ class Sample(NamedTuple):
     label: int
     shape: tuple[int, int, int]
     crc32: int | None
+
+
+class StreamSample(NamedTuple):
+    """One sample as a format's sequential reader (:meth:`Reader.stream_file`) finds it, for ``packer.stream``:
+    its key, the image's stored bytes and extension (``jpg``, ``png``, ``npy``...), the label (-1: none) and the
+    stored bytes of the requested extra fields, by name."""
+
+    key: str
+    image: bytes
+    ext: str
+    label: int
+    fields: dict[str, bytes | memoryview]
 
 
 class Reader(ABC):
@@ -92,7 +112,7 @@ class Reader(ABC):
 
     def __init__(self, root: str | os.PathLike, manifest: dict | None = None):
         self.root = Path(root)
-        self.manifest = manifest if manifest is not None else read_manifest(self.root)
+        self.manifest = manifest if manifest is not None else read_local_manifest(self.root)
         if self.manifest.get("parts") is not None and not self.ACCEPTS_PARTS:
             raise ValueError(f"{self.root}: converted in {len(self.manifest['parts'])} parts (by several ranks); "
                              "open it with packer.open_dataset")
@@ -104,6 +124,7 @@ class Reader(ABC):
         self.label_low, self.label_high = label_bounds(self.manifest)
         self._pid: int | None = None
         self._validated = False  # whether _check_data passed (carried to workers with the reader)
+        self.skipped: list[tuple[str, str]] = []  # ("FILE/MEMBER", why) left out of data other tools wrote
 
     # -- what each format implements ----------------------------------------------------------------------------
     @abstractmethod
@@ -238,6 +259,46 @@ class Reader(ABC):
         of a part of a distributed conversion start."""
         return []
 
+    # -- what each format knows of its own manifest keys, files and handles --------------------------------------
+    @classmethod  # noqa: B027 - a format without manifest keys of its own checks nothing
+    def check_manifest(cls, data: dict, where: str) -> None:
+        """Check the manifest keys this format owns, wherever they appear (any manifest that has them): a
+        :class:`~packer.errors.ManifestError` naming ``where``. Run by :func:`packer.manifest.parse_manifest`
+        for every registered format."""
+
+    @classmethod
+    def summary(cls, dest: str, manifest: dict) -> list[str]:
+        """Lines ``packer info`` adds about this format's own keys (indented by two spaces)."""
+        return []
+
+    @classmethod
+    def stream_files(cls, manifest: dict) -> list[tuple[str, int]] | None:
+        """The data files ``packer.stream`` reads from start to end, with their sample counts, in the stored
+        order; None for a format that is not read sequentially."""
+        return None
+
+    @classmethod
+    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
+        """The samples of one of :meth:`stream_files`' files (a local copy at ``path``; ``where`` names it in
+        messages), read sequentially; ``extras``: the extra fields to give."""
+        raise NotImplementedError(f"{cls.format} is not read sequentially")
+
+    @classmethod
+    def from_foreign(cls, paths: list[Path], label_key: str | None = None) -> Reader | None:
+        """A reader over data files another tool wrote (``packer pack`` from them), every member kept as a
+        field; what it leaves out is in its ``skipped``. None when this format reads no such files."""
+        return None
+
+    @classmethod  # noqa: B027 - most formats keep no handles beyond a reader's own
+    def close_process_handles(cls) -> None:
+        """Close the handles this format's readers share per process (they reopen on next use); only while no
+        loader is reading. Most formats keep handles per reader and have none."""
+
+    def stored_sizes(self) -> np.ndarray | None:
+        """The stored bytes of each sample (int64, by index), when the format knows them without reading the
+        samples; else None."""
+        return None
+
     # -- shared machinery -------------------------------------------------------------------------------------------
     def open(self) -> None:
         """Open this process's handles now (once per process; later calls return at once), so that a missing,
@@ -347,6 +408,7 @@ def register(name: str, writer: type[Writer], reader: type[Reader]) -> None:
     writer.format = name
     reader.format = name
     _REGISTRY[name] = (writer, reader)
+    add_key_check(reader.check_manifest)
 
 
 def get_format(name: str) -> tuple[type[Writer], type[Reader]]:
@@ -359,6 +421,22 @@ def get_format(name: str) -> tuple[type[Writer], type[Reader]]:
 def format_names() -> list[str]:
     """The registered formats, in the order they were registered (the first is the default)."""
     return list(_REGISTRY)
+
+
+def readers() -> list[type[Reader]]:
+    """The registered formats' reader classes, in :func:`format_names`' order."""
+    return [reader for _, reader in _REGISTRY.values()]
+
+
+def prefixed_entries(parts: dict[str, dict[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+    """Each of ``keys``' entry lists over the parts of a conversion (``{folder: the part's record}``), each
+    entry's ``path`` under its part's folder; a key no part has is left out."""
+    merged: dict[str, Any] = {}
+    for folder, info in parts.items():
+        for key in keys:
+            if key in info:
+                merged.setdefault(key, []).extend({**e, "path": f"{folder}/{e['path']}"} for e in info[key])
+    return merged
 
 
 def writer_files() -> tuple[str, ...]:

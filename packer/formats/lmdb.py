@@ -274,6 +274,11 @@ class LmdbReader(Reader):
 
     HANDLES = ("env", "txn")
 
+    @classmethod
+    def close_process_handles(cls) -> None:
+        """The environments readers share per process and path: :func:`close_environments`."""
+        close_environments()
+
     def __init__(self, root, manifest: dict | None = None, readahead: bool = True):
         super().__init__(root, manifest)
         self.readahead = readahead

@@ -15,6 +15,12 @@ extension: the names the ``webdataset`` library decodes. Without a class field t
 a field is named ``json``, packer's own member is ``000000042.packer.json``. The json member records the
 fields' checksum (``fields_crc32``).
 
+``packer.stream`` reads a packed dataset's shards from start to end (:meth:`WdsReader.stream_file`:
+:func:`~packer.formats.wds_members.read_shard`), grouping members into samples by
+:func:`~packer.formats.wds_members.sample_key`, the rule the scan of other tools' shards uses. The manifest's
+``shards`` key (each shard's path and sample count) is read in this module only: its check, ``packer info``'s
+lines, and the merge of a distributed conversion's parts.
+
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
 written under ``.tmp`` names and renamed once complete.
@@ -45,19 +51,29 @@ import mmap
 import os
 import re
 import tarfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptDataError, PackerError, warn
+from ..errors import CorruptDataError, ManifestError, PackerError, warn
 from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
-from ..manifest import file_entry, fsync_dir
+from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
-from .base import Reader, Sample, Writer, register, run_starts
+from .base import Reader, Sample, StreamSample, Writer, prefixed_entries, register, run_starts
 from .identity import FileId, changed_error, check_unchanged, file_id
 from .wds_foreign import ForeignShards, scan_shards
-from .wds_members import INDEX_DTYPE, image_ext, member_bytes, member_header, member_suffix, npy_bytes, stored_bytes
+from .wds_members import (
+    INDEX_DTYPE,
+    image_ext,
+    member_bytes,
+    member_header,
+    member_suffix,
+    npy_bytes,
+    read_shard,
+    stored_bytes,
+)
 
 INDEX = "wds_index.npy"
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
@@ -228,6 +244,10 @@ class WdsWriter(Writer):
         if self.tar is not None:
             self.tar.close()
 
+    @classmethod
+    def merge_parts(cls, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return prefixed_entries(parts, ("files", "shards"))
+
 
 class WdsReader(Reader):
     """Random access over WebDataset shards, through byte offsets recorded at pack time: exact ``len()``,
@@ -246,7 +266,6 @@ class WdsReader(Reader):
         self.index = None
         self.maps: list | None = None
         self.foreign = foreign  # shards packer did not write: their index, built from the tar headers
-        self.skipped: list[tuple[str, str]] = []
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
         # by a repack of DEST before then is refused rather than read at the old index's offsets
@@ -289,7 +308,7 @@ class WdsReader(Reader):
         self.check_shapes(path, np.asarray(index["shape"]))
 
     @classmethod
-    def from_shards(cls, paths: list[str | os.PathLike], label_key: str | None = "cls",
+    def from_shards(cls, paths: Sequence[str | os.PathLike], label_key: str | None = "cls",
                     classes: list[str] | None = None, warn_skipped: bool = True,
                     keep_fields: bool = False) -> WdsReader:
         """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
@@ -329,6 +348,40 @@ class WdsReader(Reader):
             warn(f"skipped {len(skipped)} member(s) of these shards, listed in the dataset's `skipped`; the first: "
                  f"{shard}/{rel.split('/', 1)[1]}: {why}")
         return reader
+
+    @classmethod
+    def from_foreign(cls, paths: list[Path], label_key: str | None = None) -> WdsReader:
+        """Shards another tool wrote, every member beyond the image and the label a field (:meth:`from_shards`)."""
+        return cls.from_shards(paths, label_key=label_key, warn_skipped=False, keep_fields=True)
+
+    @classmethod
+    def check_manifest(cls, data: dict, where: str) -> None:
+        """``shards``: a list of ``{path, count}``, each path inside the dataset, each count an int from 0."""
+        shards = data.get("shards", [])
+        if not isinstance(shards, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("path"), str) and is_safe_relpath(s["path"])
+                and isinstance(s.get("count", 0), int) for s in shards):
+            raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
+        if any(isinstance(s.get("count", 0), bool) or s.get("count", 0) < 0 for s in shards):
+            raise ManifestError(f"{where}: a negative count in 'shards'; the dataset is damaged, re-pack it")
+
+    @classmethod
+    def summary(cls, dest: str, manifest: dict) -> list[str]:
+        """How many shards, their sizes in samples, and the brace pattern the ``webdataset`` library reads."""
+        shards = manifest.get("shards")
+        if not shards:
+            return []
+        counts = [s["count"] for s in shards]
+        return [f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each",
+                f"  webdataset: {brace_pattern(dest, [s['path'] for s in shards])}"]
+
+    @classmethod
+    def stream_files(cls, manifest: dict) -> list[tuple[str, int]] | None:
+        return [(s["path"], int(s["count"])) for s in manifest.get("shards") or []] or None
+
+    @classmethod
+    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
+        return read_shard(path, extras, where)
 
     def __len__(self) -> int:
         self.validate()
@@ -436,6 +489,16 @@ class WdsReader(Reader):
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
             return self._as_array(index, sample, "uint8")
         return super().stored_array(index, sample)
+
+    def class_counts(self) -> np.ndarray:
+        """From the index's labels, without mapping a shard."""
+        self.open()
+        labels = np.asarray(self.index["label"], dtype=np.int64)
+        return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
+
+    def stored_sizes(self) -> np.ndarray:
+        self.open()
+        return np.asarray(self.index["size"], dtype=np.int64)
 
     def blocks(self, target_bytes: int) -> np.ndarray:
         """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""

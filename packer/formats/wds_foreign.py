@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import CorruptDataError, PackerError
 from ..fields import Field
 from ..manifest import is_safe_relpath
-from .wds_members import IMAGE_EXTS, INDEX_DTYPE
+from .wds_members import IMAGE_EXTS, INDEX_DTYPE, sample_key
 
 # Labels of shards from other tools become classes "0".."largest label": the cap keeps a stray huge label from
 # making billions of classes (a MemoryError) or millions (a manifest of tens of MB, parsed at every open, and
@@ -23,16 +23,6 @@ from .wds_members import IMAGE_EXTS, INDEX_DTYPE
 # iNaturalist 2021: 10,000); WdsDataset.from_shards(classes=...) takes a longer class list without the cap.
 MAX_SHARD_CLASSES = 100_000
 _LINK_KINDS = {tarfile.SYMTYPE: "symbolic link", tarfile.LNKTYPE: "hard link"}
-
-
-def _sample_key(name: str) -> tuple[str, str] | None:
-    """(key, lower-case extension) of a member name: the key is everything up to the first dot of the base name
-    (webdataset's rule), with its folder."""
-    base = name.rsplit("/", 1)[-1]
-    if "." not in base:
-        return None
-    key, ext = base.split(".", 1)
-    return name[: len(name) - len(base)] + key, ext.lower()
 
 
 _IMAGE = "\0image"  # in a sample's members: which extension is its image
@@ -114,7 +104,7 @@ def _shard_samples(path: Path, skipped: list[tuple[str, str]]) -> list[tuple[str
                                            "refusing to read this shard")
                 if member.isdir():
                     continue
-                parsed = _sample_key(member.name)
+                parsed = sample_key(member.name)
                 if not member.isfile():
                     kind = _LINK_KINDS.get(member.type, "special file")
                     skipped.append((f"{path.name}/{member.name}",

@@ -1,22 +1,37 @@
 """The members of a WebDataset sample as packer writes them: their names and bytes, so that the ``webdataset``
-library decodes each by its extension, and the index row that locates them (see :mod:`packer.formats.wds`)."""
+library decodes each by its extension, the index row that locates them (see :mod:`packer.formats.wds`), the one
+rule that groups a shard's members into samples (:func:`sample_key`, for shards of any writer), and the reading
+of a packed shard's samples from start to end (:func:`read_shard`, for ``packer.stream``)."""
 
 from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, PackerError
 from ..fields import NUMERIC, Field
 from ..transforms import EXTENSION_BY_FORMAT
+from .base import StreamSample
 
 # a row of wds_index.npy (and of the index built of shards other tools wrote): where a sample's members are
 INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("json_offset", "<u8"),
                         ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
+
+
+def sample_key(name: str) -> tuple[str, str] | None:
+    """(key, lower-case extension) of a member name: the key is everything up to the first dot of the base name
+    (webdataset's rule), with its folder; None for a name without a dot."""
+    base = name.rsplit("/", 1)[-1]
+    if "." not in base:
+        return None
+    key, ext = base.split(".", 1)
+    return name[: len(name) - len(base)] + key, ext.lower()
 
 
 def member_suffix(field: Field, image_ext: str = "png") -> str:
@@ -27,6 +42,14 @@ def member_suffix(field: Field, image_ext: str = "png") -> str:
     else:
         ext = {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
     return ext if field.name == ext else f"{field.name}.{ext}"
+
+
+def field_member(field: Field, members: dict[str, bytes]) -> str | None:
+    """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
+    a field named as its extension (the inverse of :func:`member_suffix`)."""
+    if field.name in members:
+        return field.name
+    return next((m for m in members if m.startswith(field.name + ".")), None)
 
 
 def image_ext(value: bytes) -> str:
@@ -90,3 +113,40 @@ def member_header(block: bytes) -> tuple[str, int] | None:
     except tarfile.TarError:
         return None
     return info.name, info.size
+def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
+    """The samples of a shard packer wrote, read from start to end (``tar`` order): members grouped by
+    :func:`sample_key`; ``extras``' bytes are their members' (:func:`field_member`). ``where`` names the shard in
+    messages (default ``path``)."""
+    where = path if where is None else where
+    key, members = None, {}
+    try:
+        with tarfile.open(path, "r|") as tar:
+            for member in tar:
+                parsed = sample_key(member.name) if member.isfile() else None
+                data = tar.extractfile(member) if parsed is not None else None
+                if parsed is None or data is None:
+                    continue
+                if parsed[0] != key and key is not None:
+                    yield _streamed(where, key, members, extras)
+                    members = {}
+                key = parsed[0]
+                members[parsed[1]] = data.read()
+    except (OSError, tarfile.TarError) as exc:
+        raise PackerError(f"{where}: damaged tar shard ({exc}); run `packer verify`") from None
+    if key is not None:
+        yield _streamed(where, key, members, extras)
+
+
+def _streamed(where: object, key: str, members: dict[str, bytes], extras: Sequence[Field]) -> StreamSample:
+    """Sample ``key`` of a shard read sequentially, from its members by extension."""
+    ext = next((e for e in IMAGE_EXTS if e in members), None)
+    if ext is None or ("cls" not in members and not extras):
+        raise PackerError(f"{where}: sample {key} has no image or no .cls label; run `packer verify`")
+    values: dict[str, bytes | memoryview] = {}
+    for field in extras:
+        member = field_member(field, members)
+        if member is None:
+            raise PackerError(f"{where}: sample {key} has no member for field {field.name!r}; run `packer verify`")
+        values[field.name] = stored_bytes(field, members[member], f"{where} sample {key}")
+    label = int(members["cls"]) if "cls" in members else -1
+    return StreamSample(key, members[ext], ext, label, values)
