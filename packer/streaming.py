@@ -139,7 +139,7 @@ class ShardStreams(IterableDataset):
 
     def _decode(self, batch: list) -> Any:
         """A batch through the decode path :func:`packer.open_dataset` uses, with this epoch's augmentation."""
-        return self.decoder.batch(batch, self.plan.epoch)
+        return self.decoder.batch(batch, self.plan.epoch if self.plan is not None else 0)
 
 
 class StreamLoader:
