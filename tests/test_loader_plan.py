@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-from packed_support import packed
 from torch.utils.data import TensorDataset
 
 import packer
@@ -17,15 +16,15 @@ FORKS = default_start_method() == "fork"
 
 
 @pytest.fixture(scope="module")
-def fixed(tmp_path_factory, sample_data):
+def fixed(pack_once, sample_data):
     """A packed dataset whose images all have one shape (56x56 raw)."""
-    return packer.open_dataset(packed(tmp_path_factory, sample_data, "lmdb", "raw"))
+    return packer.open_dataset(pack_once(sample_data, "lmdb", "raw"))
 
 
 @pytest.fixture(scope="module")
-def varying(tmp_path_factory, sample_data):
+def varying(pack_once, sample_data):
     """A packed dataset whose images differ in shape (short side 50)."""
-    return packer.open_dataset(packed(tmp_path_factory, sample_data, "lmdb", "raw_var"))
+    return packer.open_dataset(pack_once(sample_data, "lmdb", "raw_var"))
 
 
 def test_images_of_one_shape_get_packers_worker_pool(fixed):

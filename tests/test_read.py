@@ -17,7 +17,6 @@ from packed_support import (
     digest,
     hwc,
     normalized,
-    packed,
     psnr,
     reference,
     reference_for,
@@ -34,8 +33,8 @@ LOSSY = {"jpeg", "jpeg_fixed"}
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory, sample_data):
-    return lambda fmt, store: packed(tmp_path_factory, sample_data, fmt, store)
+def pack(pack_once, sample_data):
+    return lambda fmt, store: pack_once(sample_data, fmt, store)
 
 
 @pytest.fixture(scope="module")
