@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from packed_support import digest, packed
+from packed_support import digest
 from test_arguments import one_line_value_error
 from test_fields_read import SCHEMA, nearest_expected, write_dataset
 
@@ -24,9 +24,10 @@ import packer
 from packer.streamdecode import key_index
 
 
-def quick_start(tmp_path_factory, sample_data):
+@pytest.fixture
+def quick_start(pack_once, sample_data):
     """``packer pack sample_data out/wds --format wds``: originals of varying sizes, in shards of 40."""
-    return packed(tmp_path_factory, sample_data, "wds", "original", shard_samples=40)
+    return pack_once(sample_data, "wds", "original", shard_samples=40)
 
 
 def digests(images) -> collections.Counter:
@@ -42,9 +43,8 @@ def streamed(loader, epoch: int | None = None) -> tuple[torch.Tensor, list[int]]
 
 @pytest.mark.parametrize("store", ["original", "raw", "jpeg_fixed"])
 @pytest.mark.parametrize("decoder", ["auto", "pil", "fast"])
-def test_resize_and_crop_give_open_datasets_pixels(tmp_path_factory, sample_data, store, decoder):
-    dest = quick_start(tmp_path_factory, sample_data) if store == "original" else packed(
-        tmp_path_factory, sample_data, "wds", store)
+def test_resize_and_crop_give_open_datasets_pixels(quick_start, pack_once, sample_data, store, decoder):
+    dest = quick_start if store == "original" else pack_once(sample_data, "wds", store)
     options = {"resize": 48, "center_crop": 40, "decoder": decoder}
     ds = packer.open_dataset(dest, **options)
     images, labels = streamed(packer.stream(dest, 16, shuffle=False, num_workers=0, **options))
@@ -55,10 +55,10 @@ def test_resize_and_crop_give_open_datasets_pixels(tmp_path_factory, sample_data
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_random_resized_crop_and_flip_follow_the_sample_and_epoch(tmp_path_factory, sample_data, workers):
+def test_random_resized_crop_and_flip_follow_the_sample_and_epoch(quick_start, workers):
     """Shuffled, through worker processes: each epoch's batches hold exactly ``ds[i]`` at that epoch, for the
     same seed, whatever order the stream gives them in."""
-    dest = quick_start(tmp_path_factory, sample_data)
+    dest = quick_start
     options = {"random_resized_crop": (40, 48), "flip": True, "scale": (0.3, 1.0)}
     ds = packer.open_dataset(dest, seed=5, **options)
     loader = packer.stream(dest, 16, seed=5, num_workers=workers, buffer=32, **options)
@@ -76,8 +76,8 @@ def test_random_resized_crop_and_flip_follow_the_sample_and_epoch(tmp_path_facto
     assert flips == {True, False}
 
 
-def test_the_augmentation_resumes_mid_epoch(tmp_path_factory, sample_data):
-    dest = quick_start(tmp_path_factory, sample_data)
+def test_the_augmentation_resumes_mid_epoch(quick_start):
+    dest = quick_start
     options = {"random_resized_crop": 32, "flip": True, "seed": 3, "num_workers": 0, "buffer": 20}
     loader = packer.stream(dest, 8, **options)
     loader.set_epoch(1)
@@ -91,15 +91,15 @@ def test_the_augmentation_resumes_mid_epoch(tmp_path_factory, sample_data):
     assert len(again) == len(rest) and all(torch.equal(a, b) for a, b in zip(again, rest, strict=True))
 
 
-def test_mode_l_decodes_one_channel(tmp_path_factory, sample_data):
-    dest = quick_start(tmp_path_factory, sample_data)
+def test_mode_l_decodes_one_channel(quick_start):
+    dest = quick_start
     images, _ = next(iter(packer.stream(dest, 4, shuffle=False, num_workers=0, mode="L", resize=24,
                                         center_crop=20)))
     assert images.shape == (4, 1, 20, 20)
 
 
-def test_varying_sizes_without_a_transform_is_one_line(tmp_path_factory, sample_data):
-    dest = quick_start(tmp_path_factory, sample_data)
+def test_varying_sizes_without_a_transform_is_one_line(quick_start):
+    dest = quick_start
     with pytest.raises(packer.PackerError) as info:
         next(iter(packer.stream(dest, 8, shuffle=False, num_workers=0)))
     assert "\n" not in str(info.value) and "resize=" in str(info.value)
@@ -147,10 +147,10 @@ def test_fields_tuple_with_a_read_time_crop(fields_wds):
         assert torch.equal(masks[i], mask) and torch.equal(images[i], image)
 
 
-def test_a_key_that_is_not_a_number_draws_its_window_from_its_crc32(tmp_path_factory, sample_data, tmp_path):
+def test_a_key_that_is_not_a_number_draws_its_window_from_its_crc32(quick_start, tmp_path):
     """Shards whose keys are strings (as other tools write them): each sample's window is the one of index
     ``crc32(key)``, the same in every run."""
-    source = quick_start(tmp_path_factory, sample_data)
+    source = quick_start
     dest = tmp_path / "renamed"
     shutil.copytree(source, dest)
     keys = []
@@ -186,6 +186,6 @@ def test_a_samples_index_is_its_key():
     ({"flip": "yes"}, "flip"), ({"decoder": "gpu"}, "decoder"),
     ({"random_resized_crop": 16, "resize": 20}, "random_resized_crop"),
 ])
-def test_a_bad_transform_argument_is_one_line_at_the_call(tmp_path_factory, sample_data, kwargs, name):
-    dest = quick_start(tmp_path_factory, sample_data)
+def test_a_bad_transform_argument_is_one_line_at_the_call(quick_start, kwargs, name):
+    dest = quick_start
     one_line_value_error(lambda: packer.stream(dest, 4, num_workers=0, **kwargs), name)
