@@ -1,14 +1,13 @@
 """The torch Datasets over packed data: one generic :class:`PackedDataset` that holds a format's
 :class:`~packer.formats.base.Reader`, and the per-format names users construct (``LmdbDataset(root, ...)``).
 
-The reader finds the stored samples; :class:`~packer.decoding.Decoding` turns each into pixels; this module
-adds what torch needs: tensors, the whole-batch read (``__getitems__``) with its decode threads, and pickling
-for worker processes.
+The reader finds the stored samples; the :class:`~packer.decoding.Decoding` the dataset holds (``ds.decoding``,
+built from its read-time arguments) turns each into pixels; this module adds what torch needs: tensors, the
+whole-batch read (``__getitems__``) with its decode threads, and pickling for worker processes.
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import arguments
+from .augment import Window
 from .buffers import BatchPool, empty_batch
 from .decoding import Decoding
 from .errors import UsageError
@@ -41,11 +41,15 @@ class PackedBatch(list):
     labels: torch.Tensor
 
 
-_DECODING_ARGS = set(inspect.signature(Decoding.__init__).parameters) - {"self", "reader"}
 _DATASETS: dict[type[Reader], type[PackedDataset]] = {}  # filled as the subclasses below are defined
 
 
-class PackedDataset(Decoding, Dataset):
+def _decoding_attribute(name: str, doc: str) -> property:
+    """A read-only attribute of the dataset that is its :class:`~packer.decoding.Decoding`'s."""
+    return property(lambda self: getattr(self.decoding, name), doc=doc)
+
+
+class PackedDataset(Dataset):
     """A packed dataset as a torch Dataset. ``ds[i]`` is ``(image, label)``: a CHW tensor (uint8, or float when
     the dataset was packed with --normalize) and an int.
 
@@ -87,11 +91,26 @@ class PackedDataset(Decoding, Dataset):
         if cls.reader_class is not None:
             _DATASETS.setdefault(cls.reader_class, cls)  # open_dataset gives a reader's first dataset class
 
+    spec = _decoding_attribute("spec", "How the images were stored (:class:`~packer.transforms.TransformSpec`).")
+    resize = _decoding_attribute("resize", "The read-time resize (an int: the shorter side; or (w, h)), or None.")
+    center_crop = _decoding_attribute("center_crop", "The read-time centre crop as (w, h), or None.")
+    interpolation = _decoding_attribute("interpolation", "The read-time resize's filter.")
+    decoder = _decoding_attribute("decoder", "``auto``, ``fast`` or ``pil``.")
+    random_resized_crop = _decoding_attribute("random_resized_crop", "The fused crop's (height, width), or None.")
+    scale = _decoding_attribute("scale", "The random resized crop's area range, (min, max).")
+    ratio = _decoding_attribute("ratio", "The random resized crop's aspect-ratio range, (min, max).")
+    flip = _decoding_attribute("flip", "Whether reading mirrors half the images left-right.")
+    seed = _decoding_attribute("seed", "The augmentation seed.")
+    epoch = _decoding_attribute("epoch", "The epoch ``ds[i]`` augments with when the index carries none.")
+    augments = _decoding_attribute("augments", "Whether reading applies a random resized crop or flip.")
+
     def __init__(self, root: str | os.PathLike | Reader, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
                  threads: int = 1, manifest: dict | None = None, fields: Sequence[str] | str | None = None,
-                 **options: Any):
-        decoding = {k: options.pop(k) for k in list(options) if k in _DECODING_ARGS}
+                 resize: int | str | None = None, center_crop: int | str | None = None,
+                 interpolation: str = "bilinear", decoder: str = "auto",
+                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0, **options: Any):
         if isinstance(root, Reader):
             if manifest is not None or options:
                 raise TypeError(f"a dataset over a given reader takes no reader options ({', '.join(options)})")
@@ -100,7 +119,10 @@ class PackedDataset(Decoding, Dataset):
             raise TypeError("PackedDataset reads through a Reader: pass one, or use packer.open_dataset(root)")
         else:
             reader = self.reader_class(root, manifest=manifest, **options)
-        super().__init__(reader, **decoding)
+        self.reader = reader
+        self.decoding = Decoding(reader, resize=resize, center_crop=center_crop, interpolation=interpolation,
+                                 decoder=decoder, random_resized_crop=random_resized_crop, scale=scale, ratio=ratio,
+                                 flip=flip, seed=seed)
         self.root = reader.root
         self.manifest = reader.manifest
         self.classes: list[str] = reader.classes
@@ -118,6 +140,30 @@ class PackedDataset(Decoding, Dataset):
         self._pair = fields is None and is_pair_schema(self.schema)  # ds[i] is (image, label), as always
         self._as_dict = fields is None
         self._fields = FieldDecoder(self.schema, selected)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
+        from packer's samplers does, and wins)."""
+        self.decoding.set_epoch(epoch)
+
+    def augment_params(self, index: int, epoch: int | None = None) -> Window:
+        """The random resized crop window and flip of sample ``index`` in ``epoch`` (default: the index's
+        epoch, else :attr:`epoch`): ``(top, left, height, width, flipped)`` in the stored image's full-size
+        pixels; the whole image without a random resized crop. See :meth:`Decoding.augment_params`."""
+        return self.decoding.augment_params(index, epoch)
+
+    def output_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, C) of every decoded image when it is fixed, else None."""
+        return self.decoding.output_shape()
+
+    def decode_array(self, index: int, sample: Sample, out: np.ndarray | None = None, epoch: int = 0) -> np.ndarray:
+        """The sample as an (H, W, C) array with the read-time geometry and augmentation of ``epoch``
+        (:meth:`Decoding.decode_array`)."""
+        return self.decoding.decode_array(index, sample, out, epoch)
+
+    def row_decoder(self) -> Callable[[int, Sample, np.ndarray, int], np.ndarray]:
+        """The decode of a batch's rows, chosen once per batch (:meth:`Decoding.row_decoder`)."""
+        return self.decoding.row_decoder()
 
     @property
     def fields(self) -> list[Field]:
@@ -292,7 +338,7 @@ class PackedDataset(Decoding, Dataset):
 
     def _item(self, index: int, sample: Sample, raw: dict, epoch: int) -> Any:
         """``ds[index]`` of a dataset with fields, from its stored sample and raw field bytes."""
-        values = self._fields.sample_values(self, index, sample, raw, epoch)
+        values = self._fields.sample_values(self.decoding, index, sample, raw, epoch)
         by_name = {f.name: f for f in self._fields.selected}
         return self._package({name: field_tensor(by_name[name], v) for name, v in values.items()})
 
@@ -325,7 +371,7 @@ class PackedDataset(Decoding, Dataset):
 
         def fill(j: int) -> None:
             index = indices[j]
-            row = fields.sample_values(self, index, self._verified(index, samples[j]), raws[j], epochs[j],
+            row = fields.sample_values(self.decoding, index, self._verified(index, samples[j]), raws[j], epochs[j],
                                        {name: out[j] for name, out in outs.items()}, decode_row)
             for name, column in values.items():
                 column[j] = row[name]
@@ -396,10 +442,10 @@ class PackedDataset(Decoding, Dataset):
         raws = reader.read_fields_many(indices, self.verify) if self._fields.needs_fields else [{}] * len(indices)
         items: list = [None] * len(indices)
 
-        def one(j: int) -> None:
+        def read_item(j: int) -> None:
             items[j] = self._item(indices[j], self._verified(indices[j], samples[j]), raws[j], epochs[j])
 
-        self._parallel(one, list(range(len(indices))), threads)
+        self._parallel(read_item, list(range(len(indices))), threads)
         result = FieldBatch(items)
         result.fields = self._fields.selected
         return result

@@ -190,55 +190,15 @@ class Decoding:
         return write_image(image, window.flipped, out)
 
     def row_decoder(self) -> Callable[[int, Sample, np.ndarray, int], np.ndarray]:
-        """:meth:`decode_array` for the rows of a batch, chosen once per batch rather than per image. For JPEGs
-        stored at the output size, or at the read-time resize with a centre crop to do (the validation set's
-        common cases), it is the call to simplejpeg, and a slice copied: per-image Python holds the GIL that
-        the other decode threads need, and :meth:`decode_array`'s general checks are a noticeable part of a 224 px
-        decode (docs/measurements.md). Anything these do not decode exactly (another format or size, a damaged
-        file) goes to :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
-        if self.augments or self.decoder == "pil" or self._is_raw or (self.resize and not self.center_crop):
-            return self.decode_array
-        if self.center_crop and self.decoder != "auto":
-            return self.decode_array
-        colorspace, channels = ("GRAY", 1) if self.spec.mode == "L" else ("RGB", 3)
-        decode_array, decode_jpeg = self.decode_array, simplejpeg.decode_jpeg
-        if not self.center_crop:
-            # only packer's own encodes are sure to be YCbCr or grey without reading each header: decode()
-            # leaves a CMYK JPEG to Pillow, whose pixels simplejpeg's own conversion would not match
-            if self.spec.store != "jpeg":
-                return self.decode_array
-
-            def decode_row(index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
-                try:
-                    # the row bounds the decode: a larger image raises, a smaller one comes back another shape
-                    if decode_jpeg(sample.payload, colorspace=colorspace, buffer=out).shape == out.shape:
-                        return out
-                except ValueError:
-                    pass
-                return decode_array(index, sample, out, epoch)
-
-            return decode_row
-        resize, crop, max_pixels = self.resize, self.center_crop, self.max_pixels
-        kept_by_size: dict[tuple[int, int], Any] = {}  # crop_slice by image size; False: it needs resampling
-
-        def decode_cropped_row(index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
-            size = jpeg_size(sample.payload)
-            kept = kept_by_size.get(size) if size is not None else False
-            if kept is None:
-                kept = kept_by_size.setdefault(size, size[0] * size[1] <= max_pixels and crop_slice(size, resize, crop)
-                                               or False)
-            if kept:
-                try:
-                    scratch = decode_scratch(size[0] * size[1] * channels)
-                    arr = decode_jpeg(sample.payload, colorspace=colorspace, buffer=scratch)
-                except ValueError:
-                    arr = None
-                if arr is not None and arr.shape[:2] == size:
-                    out[...] = arr[kept]
-                    return out
-            return decode_array(index, sample, out, epoch)
-
-        return decode_cropped_row
+        """:meth:`decode_array` for the rows of a batch, chosen once per batch rather than per image: the first
+        of :data:`ROW_DECODERS` that serves this decoding, else :meth:`decode_array` itself. Each is the call to
+        simplejpeg and a slice copied, for a case that is common and simple (JPEGs stored at the output size, or
+        at the read-time resize with a centre crop to do): per-image Python holds the GIL that the other decode
+        threads need, and :meth:`decode_array`'s general checks are a noticeable part of a 224 px decode
+        (docs/measurements.md). Anything they do not decode exactly (another format or size, a damaged file)
+        goes to :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
+        chosen = next((kind for kind in ROW_DECODERS if kind.serves(self)), None)
+        return chosen(self) if chosen is not None else self.decode_array
 
     def _resized_crop(self, index: int, sample: Sample, window: Window, out: np.ndarray | None) -> np.ndarray:
         """The window resampled to the output size and mirrored when flipped, written into ``out`` when given:
@@ -343,6 +303,79 @@ class Decoding:
             out[...] = arr
             return out
         return np.ascontiguousarray(arr)
+
+
+class RowDecoder:
+    """A batch row's decode for one case :meth:`serves` recognises; anything it cannot decode exactly goes to
+    the decoding's :meth:`~Decoding.decode_array`. Called as ``decoder(index, sample, out, epoch)``."""
+
+    def __init__(self, decoding: Decoding):
+        self.general = decoding.decode_array
+        self.colorspace, self.channels = ("GRAY", 1) if decoding.spec.mode == "L" else ("RGB", 3)
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        """Whether this decoder gives ``decoding``'s pixels (for the samples it takes; the rest fall back)."""
+        raise NotImplementedError
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        raise NotImplementedError
+
+
+class JpegIntoRow(RowDecoder):
+    """packer's own JPEGs at the output size, decoded by simplejpeg straight into the row. Only packer's own
+    encodes are sure to be YCbCr or grey without reading each header: decode() leaves a CMYK JPEG to Pillow,
+    whose pixels simplejpeg's own conversion would not match."""
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        return (not decoding.augments and decoding.decoder != "pil" and not decoding.reader.is_raw
+                and not decoding.resize and not decoding.center_crop and decoding.spec.store == "jpeg")
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        try:
+            # the row bounds the decode: a larger image raises, a smaller one comes back another shape
+            if simplejpeg.decode_jpeg(sample.payload, colorspace=self.colorspace, buffer=out).shape == out.shape:
+                return out
+        except ValueError:
+            pass
+        return self.general(index, sample, out, epoch)
+
+
+class CroppedJpegRow(RowDecoder):
+    """JPEGs stored at the read-time resize (``decoder="auto"``, a centre crop to do): decoded whole into this
+    thread's scratch buffer, the crop's slice copied into the row."""
+
+    def __init__(self, decoding: Decoding):
+        super().__init__(decoding)
+        self.resize, self.crop, self.max_pixels = decoding.resize, decoding.center_crop, decoding.max_pixels
+        self.kept_by_size: dict[tuple[int, int], Any] = {}  # crop_slice by image size; False: it needs resampling
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        return (not decoding.augments and decoding.decoder == "auto" and not decoding.reader.is_raw
+                and bool(decoding.center_crop))
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        size = jpeg_size(sample.payload)
+        kept = self.kept_by_size.get(size) if size is not None else False
+        if kept is None:
+            kept = self.kept_by_size.setdefault(size, size[0] * size[1] <= self.max_pixels
+                                                and crop_slice(size, self.resize, self.crop) or False)
+        if kept:
+            try:
+                scratch = decode_scratch(size[0] * size[1] * self.channels)
+                arr = simplejpeg.decode_jpeg(sample.payload, colorspace=self.colorspace, buffer=scratch)
+            except ValueError:
+                arr = None
+            if arr is not None and arr.shape[:2] == size:
+                out[...] = arr[kept]
+                return out
+        return self.general(index, sample, out, epoch)
+
+
+# row_decoder's table: the first that serves a decoding decodes its batch rows; none: decode_array
+ROW_DECODERS: tuple[type[RowDecoder], ...] = (JpegIntoRow, CroppedJpegRow)
 
 
 def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:

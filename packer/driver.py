@@ -24,7 +24,7 @@ from .engine import Converted, Plan, build_plan, convert_samples, make_manifest,
 from .errors import DestinationError, NothingPackedError
 from .journal import differences, discard, finish, resumable, start
 from .lock import OutputLock, check_free
-from .manifest import MANIFEST, read_manifest
+from .manifest import MANIFEST, read_local_manifest
 from .options import PackOptions
 
 
@@ -87,7 +87,7 @@ def _convert(coordinator: Coordinator, src: str | os.PathLike | Any, options: Pa
             written = _write_share(coordinator, plan, dest, journal, resuming, start, stop)
             coordinator.wait_shares()
             manifest = (_write_manifest(coordinator, plan, dest, written, started) if coordinator.leads
-                        else read_manifest(dest))
+                        else read_local_manifest(dest))
         except NothingPackedError:
             if not resuming:  # leave nothing that blocks the same command
                 discard(dest, created)
@@ -138,7 +138,7 @@ def _exists(path: Path) -> bool:
 def _finished(dest: Path, plan: Plan, announce: bool) -> dict[str, Any]:
     """``--resume`` on a finished DEST: its manifest, if it was packed from the same source with the same
     options; a :class:`DestinationError` otherwise, as for an unfinished one."""
-    manifest = read_manifest(dest)
+    manifest = read_local_manifest(dest)
     recorded = manifest.get("options")
     wanted = {k: v for k, v in plan.record.items() if k != "world_size"}
     if isinstance(recorded, dict):

@@ -19,7 +19,7 @@ from .scan import scan_folder
 from .transforms import TransformSpec
 
 
-class FolderReader(Reader):
+class FolderDatasetReader(Reader):
     """The image files of an ImageFolder-layout folder, scanned with :func:`packer.scan_folder`: a sample's
     payload is its file's bytes."""
 
@@ -65,7 +65,7 @@ class FolderDataset(PackedDataset):
     ``decoder="pil"`` decodes every image with Pillow, as torchvision's ImageFolder does; the default uses
     simplejpeg for JPEGs, which gives the same pixels faster."""
 
-    reader_class = FolderReader
+    reader_class = FolderDatasetReader
 
     @property
     def samples(self) -> list[tuple[str, int]]:

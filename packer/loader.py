@@ -1,6 +1,9 @@
 """``make_loader``: a torch DataLoader with settings chosen for this machine, and ``to_device``.
 
-Each default and why (every one can be overridden by keyword):
+Each default and why (every one can be overridden by keyword). Which engine reads (packer's worker pool, decode
+threads in this process, or torch's workers), with how many workers and threads, pinning and prefetch, is decided
+in one place, :func:`packer.loader_plan.plan_loader`: the loader keeps it as ``loader.plan`` (printable, with a
+reason for each choice) and logs it at INFO on the ``packer.loader`` logger.
 
 - packer's datasets whose images have one shape (a packed size, or ``center_crop``/``random_resized_crop`` at read
   time) and no per-item ``transform``: one worker process per usable core (the affinity mask, which SLURM and taskset
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import atexit
 import json
-import multiprocessing
+import logging
 import queue
 import random
 import sys
@@ -49,14 +52,16 @@ from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
 from .fieldbatch import FieldBatch
+from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
 from .sampler import BLOCKS, ResumableSampler
 from .state import CountingIterator, Progress
-from .system import cores_per_rank, die_with_parent
-from .workers import WorkerPool, default_start_method, shared_memory_free, slot_bytes
+from .system import die_with_parent
+from .workers import WorkerPool
 
 TUNED = "loader.json"
 BLOCK_BYTES = 64 << 20  # shuffle="blocks": an LMDB or HDF5 block
+_log = logging.getLogger("packer.loader")
 
 
 def collate(batch: list) -> Any:
@@ -130,20 +135,6 @@ def tuned_settings(dataset: Dataset) -> dict[str, Any]:
             and (k == "pin_memory") == isinstance(loader.get(k), bool)}
 
 
-def _applied_tuned(tuned: dict[str, Any], threads: int | None, prefetch_batches: int | None,
-                   overrides: dict[str, Any]) -> dict[str, Any]:
-    """The tuned settings an explicit argument does not override (an explicit argument always wins)."""
-    given = set(overrides) | {k for k, v in (("threads", threads), ("prefetch_batches", prefetch_batches))
-                              if v is not None}
-    if "prefetch_batches" in given or "prefetch_factor" in given:
-        given.add("prefetch_factor")
-    if "threads" in given or "prefetch_batches" in given:  # the in-process loader was asked for
-        given.add("num_workers")
-    if overrides.get("num_workers"):  # worker processes: tuned threads belong to the tuned in-process loader
-        given.add("threads")
-    return {k: v for k, v in tuned.items() if k not in given}
-
-
 class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, with ``num_workers=0``, makes its batches in a background thread of the main
     process, ``prefetch_batches`` ahead (packed datasets decode each batch on several threads; decoding and
@@ -155,17 +146,21 @@ class PrefetchLoader(DataLoader):
     run ahead of it), and :meth:`load_state_dict` makes the next iteration the rest of that epoch."""
 
     def __init__(self, *args, prefetch_batches: int = 4, threads: int = 1, pin_batches: bool = False,
-                 worker_pool: dict[str, Any] | None = None, **kwargs):
+                 worker_pool: dict[str, Any] | None = None, plan: LoaderPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.plan = plan  # how make_loader chose to read (engine, workers, threads...) and why; None otherwise
         self.prefetch_batches = prefetch_batches
         self.threads = threads  # decode threads per batch, in each process that reads
         self.pin_batches = pin_batches  # batches are made in pinned memory (then pin_memory itself is off)
         self.worker_pool_settings = worker_pool  # num_workers are packer's WorkerPool, started at the first pass
         self._worker_pool: WorkerPool | None = None
         self._received: Progress | None = None  # the latest iteration's pass and the batches handed out of it
+        self._prefetching: tuple[threading.Event, threading.Thread] | None = None  # the latest prefetch thread
 
     def __iter__(self):
         sampler = self._resumable_sampler()
+        if sampler is not None:
+            self._restart_untouched(sampler)
         epoch_pass = sampler.next_pass() if sampler is not None else None
         if self.worker_pool_settings is not None:
             if self._worker_pool is None:
@@ -175,10 +170,24 @@ class PrefetchLoader(DataLoader):
             iterator = uncrossed(super().__iter__())
         if self.num_workers == 0 and self.prefetch_batches > 0:
             iterator = _BackgroundIterator(iterator, self.prefetch_batches)
+            self._prefetching = iterator.stop, iterator.thread
         if epoch_pass is None:
             return iterator
         self._received = Progress(epoch_pass, epoch_pass.batches)
         return CountingIterator(iterator, self._received)
+
+    def _restart_untouched(self, sampler: ResumableSampler) -> None:
+        """When the latest iteration handed out no batch, the next one makes its pass again: for the caller it
+        never started (``iter(loader)`` twice), though a prefetch thread may have started it in the sampler. That
+        thread is stopped first, so that it takes nothing more from the sampler."""
+        received = self._received
+        if received is None or received.received or received.finished:
+            return
+        if self._prefetching is not None:
+            stop, thread = self._prefetching
+            stop.set()
+            thread.join()
+        sampler.load_state_dict(received.plan.state(0))
 
     @property
     def worker_pool(self) -> WorkerPool | None:
@@ -334,54 +343,6 @@ class BatchReads(Dataset):
         return getattr(self.dataset, name)
 
 
-# the DataLoader settings packer's WorkerPool carries out itself; with any other (generator, pin_memory_device...)
-# the loader keeps torch's own workers
-_POOL_SETTINGS = {"batch_size", "num_workers", "pin_memory", "collate_fn", "drop_last", "persistent_workers",
-                  "prefetch_factor", "worker_init_fn", "sampler", "batch_sampler", "multiprocessing_context", "timeout"}
-
-
-def _whole_batches(dataset: PackedDataset) -> bool:
-    """Whether the dataset's batches are what a worker pool can make: decoded images of one shape, with no
-    per-item transform (those need the pairs ``read_batch`` returns)."""
-    return (dataset.transform is None and dataset.target_transform is None and dataset.decode
-            and dataset.batch_layout() is not None)
-
-
-def _pool_serves(dataset: PackedDataset, settings: dict[str, Any]) -> bool:
-    """Whether packer's WorkerPool can make the batches of a loader with these DataLoader ``settings``: images of
-    one shape decoded without a per-item transform, collated by :func:`collate`, workers kept across epochs, and
-    no setting the pool does not carry out."""
-    return (bool(settings.get("persistent_workers")) and not set(settings) - _POOL_SETTINGS
-            and settings.get("collate_fn") is collate and settings.get("worker_init_fn") in (None, seed_worker)
-            and _whole_batches(dataset))
-
-
-def _pooled_by_default(dataset: PackedDataset, overrides: dict[str, Any], workers: int, batch_size: int,
-                       prefetch_factor: int) -> bool:
-    """Whether make_loader gives ``dataset`` packer's worker pool when ``num_workers`` is not given: on two or
-    more cores, outside a daemonic process (which may not start any), where the pool serves the settings asked
-    for; where processes fork (spawn and forkserver re-import the main module, which a script must guard with
-    ``if __name__ == "__main__"``: a user who did not ask for processes keeps threads), and where /dev/shm has
-    room for the batches in flight (a container's is 64 MB by default; threads need none)."""
-    asked = {"collate_fn": collate, "persistent_workers": True, **overrides}  # make_loader's defaults for workers
-    if workers < 2 or multiprocessing.current_process().daemon or not _pool_serves(dataset, asked):
-        return False
-    if overrides.get("multiprocessing_context") is None and default_start_method() != "fork":
-        return False
-    free = shared_memory_free()
-    return free is None or free >= 2 * (workers * prefetch_factor + 2) * slot_bytes(dataset, batch_size)
-
-
-def _worker_pool(dataset: PackedDataset, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """WorkerPool's arguments when ``num_workers`` can be packer's pool (:func:`_pool_serves`), else None."""
-    if settings["num_workers"] <= 0 or not _pool_serves(dataset, settings):
-        return None
-    pin = bool(settings.get("pin_memory")) and torch.cuda.is_available()
-    return {"dataset": dataset, "workers": settings["num_workers"], "batch_size": settings.get("batch_size") or 1,
-            "prefetch_factor": settings.get("prefetch_factor") or 2, "pin_memory": pin,
-            "context": settings.get("multiprocessing_context"), "timeout": settings.get("timeout", 0)}
-
-
 def _check_loader_arguments(dataset: Any, batch_size: Any, shuffle: Any, seed: Any, tuned: Any, threads: Any,
                             prefetch_batches: Any, drop_last: Any) -> None:
     """make_loader's own arguments, each checked at the call (a one-line ValueError naming it)."""
@@ -449,39 +410,26 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         ValueError: (one line) an argument of the wrong type or range, naming it.
 
     Returns:
-        A :class:`PrefetchLoader`; ``loader.threads`` and ``loader.prefetch_batches`` say what it uses.
+        A :class:`PrefetchLoader`; ``loader.plan`` (:class:`~packer.loader_plan.LoaderPlan`) says which engine
+        reads, with how many workers and threads, pinning and prefetch, and why each.
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
-    tuned_values = _applied_tuned(tuned_settings(dataset), threads, prefetch_batches, overrides) if tuned else {}
-    if tuned_values:
-        print(f"packer: using tuned loader settings from {getattr(dataset, 'root', '')}/{TUNED}: {tuned_values}",
+    batch_size = 64 if batch_size is None else batch_size
+    ours = {"collate_fn": (collate,), "worker_init_fn": (None, seed_worker)}  # packer's own: not the caller's
+    given = {k: v for k, v in overrides.items() if not any(v is own for own in ours.get(k, ()))}
+    plan = plan_loader(dataset, batch_size, threads=threads, prefetch_batches=prefetch_batches, overrides=given,
+                       tuned=tuned_settings(dataset) if tuned else None)
+    if plan.tuned:
+        print(f"packer: using tuned loader settings from {getattr(dataset, 'root', '')}/{TUNED}: {dict(plan.tuned)}",
               file=sys.stderr)
-    if batch_size is None:
-        batch_size = 64
-    if threads is None and "threads" in tuned_values and tuned_values.get("num_workers", 0) == 0:
-        threads = tuned_values["threads"]
-    if "pin_memory" in tuned_values and "pin_memory" not in overrides:
-        overrides = {**overrides, "pin_memory": tuned_values["pin_memory"]}
-    cuda = torch.cuda.is_available()
+    _log.info("packer: loader plan: %s", plan)
     packed = isinstance(dataset, PackedDataset)
-    if packed and "num_workers" not in overrides and "num_workers" not in tuned_values:
-        cores = cores_per_rank()
-        prefetch_factor = overrides.get("prefetch_factor") or tuned_values.get("prefetch_factor", 4)
-        pooled = threads is None and prefetch_batches is None and _pooled_by_default(
-            dataset, overrides, cores, batch_size, prefetch_factor)
-        workers = cores if pooled else 0
-    else:
-        workers = overrides.get("num_workers", tuned_values.get("num_workers", cores_per_rank()))
-    settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": workers, "pin_memory": cuda,
+    pin_batches = packed and plan.engine == "threads" and plan.pin_memory and torch.cuda.is_available()
+    settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": plan.workers,
+                                "pin_memory": plan.pin_memory,
                                 "collate_fn": collate, "drop_last": drop_last}
-    if workers > 0:
-        settings.update(persistent_workers=True, prefetch_factor=tuned_values.get("prefetch_factor", 4),
-                        worker_init_fn=seed_worker)
-    if threads is None:
-        threads = cores_per_rank() if workers == 0 and packed else 1
-    pin_batches = packed and workers == 0 and cuda and overrides.get("pin_memory", True)
-    if pin_batches:
-        settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it
+    if plan.workers > 0:
+        settings.update(persistent_workers=True, prefetch_factor=plan.prefetch, worker_init_fn=seed_worker)
     if "sampler" not in overrides and "batch_sampler" not in overrides and not isinstance(dataset, IterableDataset):
         starts = _block_starts(dataset, block_bytes) if shuffle == BLOCKS else None
         settings["sampler"] = ResumableSampler(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
@@ -490,13 +438,22 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     if settings.get("batch_sampler") is not None:
         for key in ("batch_size", "drop_last", "sampler"):
             settings.pop(key, None)
-    if prefetch_batches is None:
-        prefetch_batches = tuned_values.get("prefetch_factor", 4) if settings["num_workers"] == 0 else 0
-    data = BatchReads(dataset, threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
-    pool = _worker_pool(dataset, settings) if packed else None
-    return PrefetchLoader(data, prefetch_batches=prefetch_batches, threads=threads, pin_batches=pin_batches,
-                          worker_pool=pool,
+    if pin_batches:
+        settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it
+    data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
+    return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
+                          pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,
                           **settings)
+
+
+def _pool_arguments(plan: LoaderPlan, dataset: Dataset, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """WorkerPool's arguments when the plan's engine is packer's pool, else None."""
+    if plan.engine != "pool":
+        return None
+    return {"dataset": dataset, "workers": plan.workers, "batch_size": settings.get("batch_size") or 1,
+            "prefetch_factor": settings.get("prefetch_factor") or 2,
+            "pin_memory": plan.pin_memory and torch.cuda.is_available(),
+            "context": settings.get("multiprocessing_context"), "timeout": settings.get("timeout", 0)}
 
 
 class DeviceLoader:

@@ -38,7 +38,9 @@ from .transforms import MAX_SIDE, Encoded, TransformSpec, convert_array, convert
 
 
 # -- image folders -----------------------------------------------------------------------------------------------
-class FolderReader(SampleReader):
+class FolderSampleReader(SampleReader):
+    """The source images of an image folder, read and converted one by one for a conversion."""
+
     def __init__(self, root: str, samples: list[tuple[str, int]]):
         self.root = root
         self.samples = samples
@@ -88,7 +90,7 @@ class FolderSource(Source):
         return self._stat()[1]
 
     def reader(self) -> SampleReader:
-        return FolderReader(str(self.root), self.samples)
+        return FolderSampleReader(str(self.root), self.samples)
 
     def where(self, relpath: str) -> str:
         return str(self.root / relpath)

@@ -9,7 +9,6 @@ state is ``{epoch, batches}``, and a resumed epoch replays, without decoding, wh
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -21,19 +20,15 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import arguments
-from .errors import CorruptDataError, PackerError, UsageError, carried, uncrossed
+from .errors import PackerError, UsageError, carried, uncrossed
 from .fetchable import Fetchable, fetched
-from .fieldbatch import collate_column, field_tensor
-from .fieldread import select_fields
-from .fields import Field, extra_fields, is_pair_schema, label_field, schema_of
-from .fields import decode as decode_value
+from .fields import Field
 from .formats import Reader, StreamSample, reader_class
-from .manifest import read_manifest
-from .masks import decode_mask
+from .manifest import read_local_manifest
 from .sampler import distributed_rank_world
 from .state import STATE_VERSION, CountingIterator, Progress, StateSchema, check_state
+from .streamdecode import StreamDecoder
 from .system import die_with_parent, usable_cores
-from .transforms import decode
 
 # settings a stream state must share with the stream that loads it: they fix which batch comes when
 _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
@@ -109,18 +104,10 @@ class ShardStreams(IterableDataset):
     ``skip[s]`` batches of stream ``s`` are replayed without decoding. The first worker runs stream ``first``,
     so that a resumed epoch hands the streams' batches out in the uninterrupted epoch's turn."""
 
-    def __init__(self, settings: dict[str, Any], mode: str, buffer: int, schema: list[Field] | None = None,
-                 fields: Sequence[str] | str | None = None, *, reader: type[Reader]):
-        self.settings, self.mode, self.buffer = settings, mode, buffer
+    def __init__(self, settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *, reader: type[Reader]):
+        self.settings, self.decoder, self.buffer = settings, decoder, buffer
         self.reader = reader  # the format's reader class, whose stream_file reads a shard
-        self.schema = schema or schema_of({})
-        self.selected = select_fields(self.schema, fields)
-        self.pair = fields is None and is_pair_schema(self.schema)
-        self.as_dict = fields is None
-        names = {f.name for f in self.selected}
-        self.extras = [f for f in extra_fields(self.schema) if f.name in names]
-        label = label_field(self.schema)
-        self.label_name = label.name if label is not None else None
+        self.extras = decoder.fields.extras  # the fields read from each sample's members beyond image and label
         self.plan: StreamPlan | None = None
         self.skip: list[int] = []
         self.first = 0
@@ -150,65 +137,20 @@ class ShardStreams(IterableDataset):
             yield self._decode(batch)
 
     def _decode(self, batch: list) -> Any:
-        if not self.pair:
-            return self._decode_fields(batch)
-        arrays = [self._image(key, data, ext) for key, data, ext, *_ in batch]
-        shapes = sorted({a.shape for a in arrays})
-        if len(shapes) > 1:
-            raise PackerError(f"images in one batch differ in size ({', '.join(map(str, shapes[:3]))}); "
-                              "packer.stream needs one size: pack with --resize and --center-crop, or read with "
-                              "packer.open_dataset(resize=, center_crop=) and packer.make_loader")
-        images = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
-        return images, torch.tensor([sample[3] for sample in batch], dtype=torch.int64)
-
-    def _image(self, key: str, data: bytes, ext: str) -> np.ndarray:
-        """A sample's image, (H, W, C)."""
-        if ext == "npy":
-            try:
-                arr = np.load(io.BytesIO(data), allow_pickle=False)  # never unpickles
-            except ValueError as exc:
-                raise CorruptDataError(f"{key}: not a plain .npy array ({exc}); re-pack") from None
-            return arr[..., None] if arr.ndim == 2 else arr
-        return decode(data, self.mode, key)
-
-    def _decode_fields(self, batch: list) -> Any:
-        """A batch of a dataset with fields (or ``fields=``): as :func:`packer.make_loader` gives it, a dict or
-        a tuple in the ``fields=`` order, with fixed-shape values stacked and the rest as lists."""
-        columns: dict[str, list] = {f.name: [] for f in self.selected}
-        by_name = {f.name: f for f in self.selected}
-        for key, data, ext, label, values in batch:
-            for name, column in columns.items():
-                if name == "image":
-                    column.append(field_tensor(by_name[name], self._image(key, data, ext)))
-                elif name == self.label_name:
-                    column.append(label)
-                else:
-                    field = by_name[name]
-                    column.append(field_tensor(field, self._value(key, field, values[name])))
-        collated = {name: collate_column(column, by_name[name]) for name, column in columns.items()}
-        return collated if self.as_dict else tuple(collated.values())
-
-
-    def _value(self, key: str, field: Field, data: bytes) -> Any:
-        """A field's stored bytes decoded: masks and images to arrays, the rest by :func:`packer.fields.decode`."""
-        if field.kind == "mask":
-            return decode_mask(data, f"{key} field {field.name!r}", field.pixels or "uint8")
-        if field.kind == "image":
-            return decode(data, self.mode, f"{key} field {field.name!r}")
-        return decode_value(field, data)
+        """A batch through the decode path :func:`packer.open_dataset` uses, with this epoch's augmentation."""
+        return self.decoder.batch(batch, self.plan.epoch if self.plan is not None else 0)
 
 
 class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
     at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
 
-    def __init__(self, shards: list[tuple[Path | Fetchable, int]], settings: dict[str, Any], mode: str,
-                 buffer: int, schema: list[Field] | None = None, fields: Sequence[str] | str | None = None, *,
-                 reader: type[Reader]):
+    def __init__(self, shards: list[tuple[Path | Fetchable, int]], settings: dict[str, Any], decoder: StreamDecoder,
+                 buffer: int, *, reader: type[Reader]):
         self.shards = shards
         self.rank, self.world = distributed_rank_world()
         self.settings = dict(settings, world_size=self.world)
-        self.dataset = ShardStreams(self.settings, mode, buffer, schema, fields, reader=reader)
+        self.dataset = ShardStreams(self.settings, decoder, buffer, reader=reader)
         self.epoch, self.resume_at = 0, 0
         self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
@@ -289,7 +231,10 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
            seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000,
            storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
            cache_limit: int | str | None = None, cache: bool = True,
-           fields: Sequence[str] | str | None = None) -> StreamLoader:
+           fields: Sequence[str] | str | None = None, resize: int | str | None = None,
+           center_crop: int | str | None = None, interpolation: str = "bilinear", decoder: str = "auto",
+           random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+           ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False) -> StreamLoader:
     """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW); a
     dataset with other fields gives dict batches as :func:`packer.make_loader` does (images and masks stacked,
     numbers stacked, text, JSON and variable-length vectors as lists), and ``fields=`` a tuple in that order.
@@ -298,12 +243,20 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     shuffle buffer. Under ``torch.distributed`` each rank reads its own shards, and every rank stops after the
     fewest batches any rank has, so that all take the same number of steps.
 
+    Images decode through :func:`packer.open_dataset`'s decode path, straight into the batch tensor, with the same
+    read-time options: ``resize``/``center_crop`` (the same pixels as ``open_dataset``'s), or
+    ``random_resized_crop``/``flip`` drawn from ``(seed, epoch, index)``, where a packer-written sample's index is
+    its member key (``000000042`` is 42), so its window is ``open_dataset(..., seed=seed).augment_params(42,
+    epoch)``; a key that is not a number (shards of other tools) stands for the crc32 of its UTF-8 bytes
+    (:func:`packer.streamdecode.key_index`). Mask and second-image fields get their image's geometry (masks by
+    nearest neighbour). Without them, images stored at varying sizes cannot be batched (a one-line error).
+
     Args:
         root: a dataset packed with ``--format wds``.
         batch_size: samples per batch; each stream's last batch may be smaller, unless ``drop_last``.
         shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (with one stream).
         num_workers: worker processes, each reading its own shards (default: the usable cores; 0: this process).
-        seed: the shuffles' seed, the same on every rank.
+        seed: the shuffles' and the augmentation's seed, the same on every rank.
         mode: the PIL mode images are decoded to.
         drop_last: drop each stream's last partial batch.
         buffer: samples in each stream's shuffle buffer.
@@ -312,6 +265,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             may be below the dataset's size (it must hold one shard per worker).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
         fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
+        resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip: as
+            :func:`packer.open_dataset` takes them.
 
     Raises:
         ValueError: (one line) an argument of the wrong type or range, naming it.
@@ -335,7 +290,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
     else:
         root = Path(root)
-        manifest = read_manifest(root)
+        manifest = read_local_manifest(root)
     reader = reader_class(manifest, f"{root}/manifest.json")
     entries = reader.stream_files(manifest)
     if not entries:
@@ -347,4 +302,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         _check_cache_limit(cache_limit, [files[path].entry["bytes"] for path, _ in entries], max(workers, 1))
     settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
                 "dataset_length": int(manifest["count"]), "workers": workers}
-    return StreamLoader(shards, settings, mode, buffer, schema_of(manifest), fields, reader=reader)
+    decoding = {"resize": resize, "center_crop": center_crop, "interpolation": interpolation, "decoder": decoder,
+                "random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip,
+                "seed": seed}
+    return StreamLoader(shards, settings, StreamDecoder(root, manifest, mode, fields, **decoding), buffer,
+                        reader=reader)

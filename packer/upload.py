@@ -57,7 +57,7 @@ def _listing(fs: Any, remote: RemoteUrl) -> dict[str, dict]:
     return {name[len(base) + 1:]: info for name, info in found.items() if name.startswith(base + "/")}
 
 
-def _same(local: Path, entry: dict, info: dict | None, sent: dict[str, str]) -> bool:
+def _already_uploaded(local: Path, entry: dict, info: dict | None, sent: dict[str, str]) -> bool:
     """Whether the remote object ``info`` already holds the staged file ``local``."""
     if info is None or info.get("size") != entry["bytes"]:
         return False
@@ -80,7 +80,7 @@ def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: di
     count = 0
     for entry in manifest["files"] if files is None else files:
         local, url = staging / entry["path"], remote.join(entry["path"])
-        if resume and _same(local, entry, existing.get(entry["path"]), sent):
+        if resume and _already_uploaded(local, entry, existing.get(entry["path"]), sent):
             continue
         retrying(lambda local=local, url=url: fs.put_file(str(local), url), url, "write")
         sent[entry["path"]] = entry["sha256"]

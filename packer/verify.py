@@ -23,7 +23,7 @@ from tqdm import tqdm
 from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
-from .manifest import label_bounds, read_manifest, sha256_file
+from .manifest import label_bounds, read_local_manifest, sha256_file
 from .remote import parse_url
 from .remote.cache import Cache
 from .remote.resolve import release, resolve
@@ -47,7 +47,7 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
     if remote is not None:  # fetched into the cache, each file checked, then this on the local copy
         return _verify_url(remote.url, deep)
     dest = Path(dest)
-    manifest = read_manifest(dest)
+    manifest = read_local_manifest(dest)
     problems: list[str] = []
     damaged_files = set()
     bar = tqdm(total=sum(e["bytes"] for e in manifest["files"]), desc="checking files", unit="B", unit_scale=True,

@@ -1,4 +1,5 @@
-"""Shared, generic fixtures. Nothing here calls packer: these are the independent references tests compare with."""
+"""Shared, generic fixtures: the independent references tests compare with (none of them calls packer), and
+``pack_once``, the session's cache of packed datasets."""
 
 from __future__ import annotations
 
@@ -139,3 +140,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         mark = _MARKS_BY_MODULE.get(item.module.__name__.rpartition(".")[2]) if item.module else None
         if mark:
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="session")
+def pack_once(tmp_path_factory):
+    """``pack_once(src, fmt, store, **extra) -> Path``: ``src`` packed as ``fmt`` with the options of
+    ``packed_support.STORES[store]`` (and ``extra``), once per test session."""
+    from packed_support import STORES
+
+    import packer
+
+    done: dict[tuple, Path] = {}
+
+    def get(src: Path, fmt: str, store: str, **extra) -> Path:
+        key = (str(src), fmt, store, tuple(sorted(extra.items())))
+        if key not in done:
+            dest = tmp_path_factory.mktemp(f"{fmt}-{store}") / "ds"
+            packer.pack(src, dest, fmt, progress=False, workers=2, **STORES[store], **extra)
+            done[key] = dest
+        return done[key]
+
+    return get

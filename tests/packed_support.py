@@ -1,6 +1,6 @@
-"""Support for the reader and loader tests: datasets packed once per session, and an independent Pillow
-reference of what every sample must decode to (torchvision ImageFolder + Resize + CenterCrop semantics, written
-out here rather than taken from packer)."""
+"""Support for the reader and loader tests: what each store packs (conftest's ``pack_once`` fixture packs it once
+per session), and an independent Pillow reference of what every sample must decode to (torchvision ImageFolder +
+Resize + CenterCrop semantics, written out here rather than taken from packer)."""
 
 from __future__ import annotations
 
@@ -39,20 +39,7 @@ GEOMETRY: dict[str, tuple] = {
 MEAN = (0.485, 0.456, 0.406)  # ImageNet, as torchvision documents them
 STD = (0.229, 0.224, 0.225)
 
-_packed: dict[tuple, Path] = {}
 _reference: dict[tuple, np.ndarray] = {}
-
-
-def packed(tmp_path_factory, src: Path, fmt: str, store: str, **extra) -> Path:
-    """``src`` packed as ``fmt`` with the options of ``STORES[store]``; packed once per session."""
-    import packer
-
-    key = (str(src), fmt, store, tuple(sorted(extra.items())))
-    if key not in _packed:
-        dest = tmp_path_factory.mktemp(f"{fmt}-{store}") / "ds"
-        packer.pack(src, dest, fmt, progress=False, workers=2, **STORES[store], **extra)
-        _packed[key] = dest
-    return _packed[key]
 
 
 def tv_resize(img: Image.Image, size) -> Image.Image:

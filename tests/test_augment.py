@@ -55,21 +55,21 @@ def source(tmp_path_factory, sample_data):
     return dest
 
 
-_packs: dict = {}
-
-
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory, source):
+    """``pack(fmt, store, mode)``: ``source`` packed with ``STORES[store]``, once per module."""
+    done: dict[tuple, object] = {}
+
     def get(fmt: str, store: str, mode: str = "RGB"):
         key = (fmt, store, mode)
-        if key not in _packs:
+        if key not in done:
             dest = tmp_path_factory.mktemp(f"aug-{fmt}-{store}-{mode}") / "ds"
             options = dict(STORES[store][0])
             if mode != "RGB":
                 options["mode"] = mode
             packer.pack(source, dest, fmt, progress=False, workers=1, **options)
-            _packs[key] = dest
-        return _packs[key]
+            done[key] = dest
+        return done[key]
 
     return get
 

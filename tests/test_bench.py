@@ -172,6 +172,8 @@ def test_tune_writes_loader_json_that_make_loader_uses(tiny_folder, tmp_path, ru
     if best["num_workers"] == 0:
         assert loader.threads == best["threads"]
     assert "loader.json" in capsys.readouterr().err
+    assert data["measured"]["plan"] == str(loader.plan)  # what make_loader now does with it, and why
+    assert f"make_loader's plan from it: {loader.plan}" in proc.stdout
 
 
 def _tuned(dest: Path, view: dict | None, **loader) -> None:
@@ -391,6 +393,16 @@ def test_first_screen_says_what_to_use_and_how_much_faster_before_the_table(benc
     else:
         assert f"chart: {chart}" in lines and Path(chart).exists()
     assert lines[1].startswith("Use: ") and "Use: " in (out / "results.txt").read_text().splitlines()[0]
+
+
+def test_each_row_and_the_first_screen_name_the_loader_plan(bench_run):
+    proc, _, results = bench_run
+    for row in results["rows"]:  # --workers 0: make_loader's in-process loader, and why it was chosen
+        assert row["engine"] == "threads" and row["plan"].startswith(f"threads: {row['threads']} decode thread")
+        assert "engine: num_workers=0 given" in row["plan"]
+    lines = proc.stdout.splitlines()
+    use = next(i for i, line in enumerate(lines) if line.startswith("Use: "))
+    assert lines[use + 1].startswith("  its loader: threads: ")
 
 
 def test_summary_picks_the_fastest_packed_row_against_the_folder_at_its_fastest():

@@ -50,17 +50,17 @@ def source(tmp_path_factory) -> Path:
     return root
 
 
-_packed: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
 def packed(source, tmp_path_factory) -> Callable[[str], Path]:
+    """``packed(fmt)``: ``source`` packed as ``fmt``, once per module."""
+    done: dict[str, Path] = {}
+
     def get(fmt: str) -> Path:
-        if fmt not in _packed:
+        if fmt not in done:
             dest = tmp_path_factory.mktemp(f"corruption-{fmt}") / "ds"
             packer.pack(source, dest, fmt, progress=False, workers=1, shard_samples=6 if fmt == "wds" else None)
-            _packed[fmt] = dest
-        return _packed[fmt]
+            done[fmt] = dest
+        return done[fmt]
 
     return get
 

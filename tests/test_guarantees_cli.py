@@ -344,7 +344,7 @@ def test_a_killed_worker_is_one_line_and_resume_continues(src, tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
         from packer import sources
-        convert = sources.FolderReader.convert
+        convert = sources.FolderSampleReader.convert
         parent = os.getpid()
 
         def dying(self, index, spec):
@@ -352,7 +352,7 @@ def test_a_killed_worker_is_one_line_and_resume_continues(src, tmp_path):
                 os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer does
             return convert(self, index, spec)
 
-        sources.FolderReader.convert = dying
+        sources.FolderSampleReader.convert = dying
         from packer.cli import main
         sys.argv = ["packer", "pack", {str(src)!r}, {str(dest)!r}, "--format", "lmdb", "--workers", "2", "--quiet"]
         main()

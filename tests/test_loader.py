@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from packed_support import FORMATS, MEAN, STD, digest, packed
+from packed_support import FORMATS, MEAN, STD, digest
 from torch.utils.data import TensorDataset
 
 import packer
@@ -28,8 +28,8 @@ LIVENESS = 120  # DataLoader timeout: a hung worker fails the test instead of ha
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory, sample_data):
-    return lambda fmt, store: packed(tmp_path_factory, sample_data, fmt, store)
+def pack(pack_once, sample_data):
+    return lambda fmt, store: pack_once(sample_data, fmt, store)
 
 
 def open_reader(pack, sample_data, fmt: str, **kwargs):

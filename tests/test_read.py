@@ -17,7 +17,6 @@ from packed_support import (
     digest,
     hwc,
     normalized,
-    packed,
     psnr,
     reference,
     reference_for,
@@ -25,6 +24,7 @@ from packed_support import (
 from PIL import Image
 
 import packer
+from packer.decoding import ROW_DECODERS, CroppedJpegRow, Decoding, JpegIntoRow
 from packer.formats.wds_foreign import scan_shards
 
 CLASSES = {"lmdb": packer.LmdbDataset, "hdf5": packer.Hdf5Dataset, "wds": packer.WdsDataset}
@@ -33,8 +33,8 @@ LOSSY = {"jpeg", "jpeg_fixed"}
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory, sample_data):
-    return lambda fmt, store: packed(tmp_path_factory, sample_data, fmt, store)
+def pack(pack_once, sample_data):
+    return lambda fmt, store: pack_once(sample_data, fmt, store)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,19 @@ def test_open_dataset_gives_the_format_class(pack, fmt):
             assert ds.relpath(i) == direct.relpath(i)
             a, b = ds[i], direct[i]
             assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_a_dataset_holds_its_decoding_and_routes_each_keyword(pack):
+    """The read-time arguments build the dataset's Decoding, the reader's own options its reader; the read-time
+    settings stay readable on the dataset."""
+    ds = packer.LmdbDataset(pack("lmdb", "original"), resize=72, center_crop=64, flip=True, seed=7, readahead=False)
+    assert isinstance(ds.decoding, Decoding) and not isinstance(ds, Decoding)
+    assert ds.decoding.reader is ds.reader and ds.reader.readahead is False
+    assert (ds.resize, ds.center_crop, ds.flip, ds.seed, ds.augments, ds.epoch) == (72, (64, 64), True, 7, True, 0)
+    ds.set_epoch(2)
+    assert ds.epoch == ds.decoding.epoch == 2 and ds.output_shape() == (64, 64, 3)
+    with pytest.raises(TypeError):
+        packer.LmdbDataset(pack("lmdb", "original"), sharpen=True)  # neither the decoding's nor the reader's
 
 
 @pytest.mark.parametrize("store", ["original", "jpeg", "png", "raw", "raw_normalize"])
@@ -268,6 +281,24 @@ def test_getitems_equals_getitem(pack, fmt, case, threads):
         assert torch.equal(batch.images, torch.stack([image for image, _ in items]))
         assert batch.labels.dtype == torch.int64
         assert batch.labels.tolist() == [label for _, label in items]
+
+
+@pytest.mark.parametrize("store, kwargs, chosen", [
+    ("jpeg_fixed", {}, JpegIntoRow), ("jpeg_fixed", {"decoder": "fast"}, JpegIntoRow),
+    ("jpeg_fixed", {"center_crop": 96}, CroppedJpegRow),
+    ("original", {"resize": 72, "center_crop": 64}, CroppedJpegRow),
+    ("original", {}, None), ("jpeg_fixed", {"center_crop": 96, "decoder": "fast"}, None),
+    ("jpeg_fixed", {"decoder": "pil"}, None), ("jpeg_fixed", {"random_resized_crop": 64}, None), ("raw", {}, None)])
+def test_batch_rows_decode_through_the_first_row_decoder_of_the_table_that_serves(pack, store, kwargs, chosen):
+    """JPEGs at the output size, or with a centre crop left to do: simplejpeg straight into the row; the rest
+    (Pillow, augmentation, raw, images of another store or size): the general decode_array."""
+    ds = packer.open_dataset(pack("lmdb", store), **kwargs)
+    decoding = ds.decoding  # the dataset holds its decoding
+    decoder = ds.row_decoder()
+    if chosen is None:
+        assert decoder == decoding.decode_array and not any(kind.serves(decoding) for kind in ROW_DECODERS)
+    else:
+        assert type(decoder) is chosen is next(kind for kind in ROW_DECODERS if kind.serves(decoding))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

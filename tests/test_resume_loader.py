@@ -312,6 +312,26 @@ def test_len_of_a_resumed_pass_is_its_batches_throughout(packs, workers):
     assert lengths[-1] == epoch_batches(False), "then whole epochs"
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iteration_that_handed_out_no_batch_never_started(packs, workers):
+    """``iter(loader)`` twice, then the batches: the same epoch 0 as one ``iter`` (the first iterator's prefetch
+    thread had already taken that pass from the sampler), its state epoch 0, and epoch 1 next."""
+    ds = packer.open_dataset(packs["lmdb"])
+
+    def epochs(iterations: int) -> tuple[list, dict, list]:
+        loader = packer.make_loader(ds, batch_size=BATCH, seed=SEED, num_workers=workers)
+        for _ in range(iterations):
+            iterator = iter(loader)
+        first = [next(iterator)[1].tolist()]
+        state = loader.state_dict()
+        first += [labels.tolist() for _, labels in iterator]
+        return first, state, [labels.tolist() for _, labels in loader]
+
+    once, twice = epochs(1), epochs(2)
+    assert twice == once
+    assert (twice[1]["epoch"], twice[1]["samples_seen"]) == (0, BATCH) and twice[0] != twice[2]
+
+
 def test_loader_with_its_own_sampler_says_it_keeps_no_position(packs):
     ds = packer.open_dataset(packs["lmdb"])
     loader = packer.make_loader(ds, batch_size=BATCH, sampler=torch.utils.data.SequentialSampler(ds))

@@ -15,7 +15,7 @@ import h5py
 import psutil
 import pytest
 import torch
-from packed_support import FORMATS, packed
+from packed_support import FORMATS
 
 import packer
 from packer.buffers import shared_tensor
@@ -29,8 +29,8 @@ LIVENESS = 120  # a bound on a hung worker, not a timing
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory, sample_data):
-    return lambda fmt, store: packed(tmp_path_factory, sample_data, fmt, store)
+def pack(pack_once, sample_data):
+    return lambda fmt, store: pack_once(sample_data, fmt, store)
 
 
 def threaded_epoch(ds, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -128,12 +128,13 @@ def _run_once(target: Target, workers: int, cache: str, settings: dict[str, Any]
                         where=f"{target.dataset} {target.store}", bar=bar)
     # Every epoch ran to its end, so nothing reads any more: shut the workers down and unmap before the next
     # eviction. (Not on an error: a loader's threads may still be reading then.)
+    plan = loader.plan
     pool = getattr(loader, "worker_pool", None)
     if pool is not None:
         pool.close()  # now, not whenever the loader is collected: a worker's open map keeps its pages resident
     del loader, ds, pool
     release_handles()
-    return {"resident_before": resident, "epochs": epochs, "threads": threads}
+    return {"resident_before": resident, "epochs": epochs, "threads": threads, "plan": plan}
 
 
 def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict], settings: dict,
@@ -148,7 +149,8 @@ def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict],
         "pipeline": target.pipeline,
         "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
         "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
-        "workers": workers, "threads": runs[0]["threads"], "batch_size": settings["batch_size"], "epoch": epoch + 1,
+        "workers": workers, "threads": runs[0]["threads"], "engine": runs[0]["plan"].engine,
+        "plan": str(runs[0]["plan"]), "batch_size": settings["batch_size"], "epoch": epoch + 1,
         "cache": cache,
         "samples": stats[0].samples, "skipped_batches": stats[0].skipped_batches,
         "samples_per_s": rate, "samples_per_s_runs": rates,

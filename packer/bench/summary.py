@@ -59,6 +59,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                      f"({row['samples_per_s']:,.0f} img/s vs {base['samples_per_s']:,.0f}, the folder's fastest: "
                      f"{loader_label(base)}) [{PIPELINE_NAMES.get(pipeline, pipeline)}, {row['cache']} cache, "
                      f"epoch {row['epoch']}]")
+        if row.get("plan"):
+            lines.append(f"  its loader: {row['plan']}")
     if results.get("warnings"):
         lines.append("These figures are not reliable: see the WARNING lines at the end.")
     if "chart" in results:

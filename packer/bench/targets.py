@@ -115,9 +115,9 @@ def folder_target(src: Path, read_resize: Size, read_crop: Size) -> Target:
 
 
 def packed_target(dest: Path, read_resize: Size, read_crop: Size, conversion: dict | None = None) -> Target:
-    from ..manifest import read_manifest
+    from ..manifest import read_local_manifest
 
-    manifest = read_manifest(dest)
+    manifest = read_local_manifest(dest)
     t = manifest["transform"]
     resize = tuple(t["resize"]) if isinstance(t.get("resize"), list) else t.get("resize")
     crop = tuple(t["center_crop"]) if isinstance(t.get("center_crop"), list) else t.get("center_crop")
@@ -149,9 +149,9 @@ def pack_target(src: Path, work: Path, fmt: str, variant: Variant, source_bytes:
 
 
 def existing_conversion(target: Target, source_bytes: int) -> dict[str, Any]:
-    from ..manifest import read_manifest
+    from ..manifest import read_local_manifest
 
-    manifest = read_manifest(target.root)
+    manifest = read_local_manifest(target.root)
     seconds = manifest.get("conversion_seconds")
     return {"dataset": target.dataset, "store": target.store, "images": target.count, "seconds": seconds,
             "images_per_s": target.count / seconds if seconds else None, "bytes_on_disk": target.bytes_on_disk,

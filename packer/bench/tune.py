@@ -109,6 +109,7 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
     view only). Warns when the figures are noise (:func:`noise_warning`). Returns what was written."""
     from ..errors import warn
     from ..loader import TUNED, read_view
+    from ..loader_plan import plan_loader
     from ..manifest import write_json_atomic
 
     dest = Path(dest)
@@ -130,6 +131,7 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
     loader = {k: best[k] for k in keys}
     ds = target.open()
     view = read_view(ds)
+    plan = plan_loader(ds, batch_size, tuned=loader)
     del ds
     release_handles()
     noise = noise_warning(results)
@@ -140,7 +142,7 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
                          "batch_size": batch_size, "pipeline": pipeline, "noise": noise,
                          "read_resize": target.read_resize, "read_crop": target.read_crop,
                          "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         "machine": machine_info(dest), "results": results}}
+                         "machine": machine_info(dest), "plan": str(plan), "results": results}}
     write_json_atomic(dest / TUNED, data)
     return data
 
@@ -155,4 +157,6 @@ def format_tune(data: dict[str, Any], dest: str | os.PathLike) -> str:
         lines.append(f"WARNING: {data['measured']['noise']}")
     lines.append(f"best: {data['loader']} -> {Path(dest) / 'loader.json'} (make_loader uses it from now on, for "
                  "this read-time view)")
+    if data["measured"].get("plan"):
+        lines.append(f"make_loader's plan from it: {data['measured']['plan']}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..errors import ManifestError
-from ..manifest import MANIFEST, read_manifest
+from ..manifest import MANIFEST, read_local_manifest
 from .base import Reader, Sample, StreamSample, Writer, format_names, get_format, readers, register, writer_files
 
 # isort: off
@@ -38,7 +38,7 @@ def open_reader(root: str | os.PathLike, **options) -> Reader:
     Returns:
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
-    manifest = read_manifest(root)
+    manifest = read_local_manifest(root)
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:

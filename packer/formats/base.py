@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
-from ..manifest import add_key_check, label_bounds, read_manifest
+from ..manifest import add_key_check, label_bounds, read_local_manifest
 from ..transforms import Encoded, TransformSpec
 
 
@@ -112,7 +112,7 @@ class Reader(ABC):
 
     def __init__(self, root: str | os.PathLike, manifest: dict | None = None):
         self.root = Path(root)
-        self.manifest = manifest if manifest is not None else read_manifest(self.root)
+        self.manifest = manifest if manifest is not None else read_local_manifest(self.root)
         if self.manifest.get("parts") is not None and not self.ACCEPTS_PARTS:
             raise ValueError(f"{self.root}: converted in {len(self.manifest['parts'])} parts (by several ranks); "
                              "open it with packer.open_dataset")

@@ -39,7 +39,7 @@ def read_manifest(dest: str | os.PathLike, storage_options: dict | None = None) 
     if parse_url(dest) is None:
         from .. import manifest
 
-        return manifest.read_manifest(dest)
+        return manifest.read_local_manifest(dest)
     from .resolve import read_remote_manifest
 
     return read_remote_manifest(os.fspath(dest), storage_options)

@@ -107,7 +107,7 @@ def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.P
     view = cache.view(remote.url)
     view.mkdir(parents=True, exist_ok=True)
 
-    def one(entry: dict) -> Pin | None:
+    def fetch_entry(entry: dict) -> Pin | None:
         try:
             pin = fetch_file(cache, remote, entry, storage_options)
         except RemoteError as exc:
@@ -119,7 +119,7 @@ def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.P
         return pin
 
     with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="packer-fetch") as pool:
-        futures = [pool.submit(one, entry) for entry in manifest["files"]]
+        futures = [pool.submit(fetch_entry, entry) for entry in manifest["files"]]
         pins = []
         try:
             for future in futures:
