@@ -51,6 +51,8 @@ __all__ = ["__version__", *_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if name == "read_manifest":  # each format registers its manifest keys' checks when packer.formats loads
+            importlib.import_module("packer.formats")
         module = importlib.import_module(_EXPORTS[name])
         value = getattr(module, name)
         globals()[name] = value

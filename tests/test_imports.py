@@ -69,3 +69,23 @@ def test_packer_works_without_fcntl(tmp_path):
         proc = run("cli", *args)
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr == ""
+
+
+def test_read_manifest_checks_format_keys_in_a_fresh_process(tmp_path):
+    """``packer.read_manifest`` as the first call of a process still runs each format's checks of its own keys
+    (they register when ``packer.formats`` loads): a wds manifest with a negative shard count is refused."""
+    src, dest = tmp_path / "src", tmp_path / "ds"
+    for i in range(4):
+        write_image(src / ("ant", "bee")[i % 2] / f"{i}.jpg", width=20, height=16, seed=i)
+    import json
+
+    import packer
+
+    packer.pack(src, dest, "wds", progress=False, workers=1)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["shards"][0]["count"] = -3
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    code = (f"import packer\ntry:\n    packer.read_manifest({str(dest)!r})\n"
+            "except packer.ManifestError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "manifest.json" in proc.stdout, (proc.stdout, proc.stderr)
