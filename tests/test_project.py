@@ -349,3 +349,22 @@ def test_format_manifest_keys_are_read_inside_formats_only():
         if "formats" not in path.relative_to(REPO).parts and len(lines) != KEY_MENTIONS_ALLOWED.get(name, 0):
             found[name] = lines
     assert found == {}
+
+
+def test_one_resume_implementation():
+    """The resume protocol lives in packer/state.py: nothing else defines a state check or a counting iterator,
+    and every ``load_state_dict`` in packer checks the state with ``check_state`` or hands it to another
+    ``load_state_dict`` (a loader to its sampler, Lightning's wrapper to its loader)."""
+    owned = {"check_state", "CountingIterator", "Progress", "StateSchema", "Stateful"}
+    loaders = []
+    for path in sorted((REPO / "packer").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in owned:
+                assert path.name == "state.py", f"{path}: defines {node.name}, which packer/state.py owns"
+            if isinstance(node, ast.FunctionDef) and node.name == "load_state_dict" and path.name != "state.py":
+                calls = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(node)
+                         if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+                assert calls & {"check_state", "load_state_dict"}, f"{path}: load_state_dict checks states itself"
+                loaders.append(path.name)
+    assert {"sampler.py", "streaming.py", "loader.py"} <= set(loaders)
