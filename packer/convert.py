@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .driver import pack_folder
+from .driver import fail_if_busy, pack_folder
 from .errors import UsageError
 from .options import args_doc, pack_options, signature_parameters
 from .remote.url import parse_url
@@ -58,6 +58,8 @@ def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "l
     if not to_url and (storage_options is not None or cache_dir is not None):
         raise UsageError(f"{dest}: storage_options and cache_dir are for a URL destination (s3://, gs://); "
                          "a folder needs neither")
+    if not to_url:
+        fail_if_busy(Path(dest), opts)  # before a remote SRC is fetched
     src = _local_source(src)
     if to_url:
         from .upload import pack_to_url

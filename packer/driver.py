@@ -46,13 +46,7 @@ def pack_folder(src: str | os.PathLike | Any, dest: Path, options: PackOptions,
         DestinationBusyError: another packer process is writing ``dest``.
         PackerError: any other failure, with a one-line message that names the file and what to do.
     """
-    finished = options.resume and is_regular_file(dest / MANIFEST)
-    rank = coordinator.rank if coordinator is not None else early_rank(options.distributed)
-    if rank == 0 and not finished:
-        # before the scan of a large source: a second writer fails at once. Rank 0 only: under torchrun it locks
-        # DEST for every rank, and in a process group that already exists (pack to a URL) it may hold the lock
-        # by the time another rank gets here.
-        check_free(dest)
+    finished = fail_if_busy(dest, options, coordinator)
     coordinator = coordinator if coordinator is not None else detect(options.distributed)
     try:
         if finished:
@@ -64,6 +58,25 @@ def pack_folder(src: str | os.PathLike | Any, dest: Path, options: PackOptions,
             raise
     finally:
         coordinator.close()
+
+
+def fail_if_busy(dest: Path, options: PackOptions, coordinator: Coordinator | None = None) -> bool:
+    """Fail at once when another process writes ``dest``: before the scan of a large source, or the fetch of a
+    remote one. Rank 0 only: under torchrun it locks DEST for every rank, and in a process group that already
+    exists (pack to a URL) it may hold the lock by the time another rank gets here. Nothing is checked for a
+    finished ``dest`` that ``resume`` will return as it is.
+
+    Returns:
+        Whether ``dest`` is finished and ``resume`` asked for: then nothing is converted.
+
+    Raises:
+        DestinationBusyError: another packer process is writing ``dest``.
+    """
+    finished = options.resume and is_regular_file(dest / MANIFEST)
+    rank = coordinator.rank if coordinator is not None else early_rank(options.distributed)
+    if rank == 0 and not finished:
+        check_free(dest)
+    return finished
 
 
 def _convert(coordinator: Coordinator, src: str | os.PathLike | Any, options: PackOptions,

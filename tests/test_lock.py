@@ -120,6 +120,16 @@ def test_overwrite_never_deletes_a_part_another_rank_writes(tmp_path):
     assert not (dest / "part-00001").exists()
 
 
+def test_a_busy_dest_is_refused_before_a_remote_source_is_fetched(tmp_path):
+    """A second writer fails on the lock first: the URL of its source (here a port nothing listens on) is not
+    even tried."""
+    dest = tmp_path / "ds"
+    dest.mkdir()
+    with OutputLock(dest):
+        with pytest.raises(packer.errors.DestinationBusyError, match="is being written by another packer process"):
+            packer.pack("http://127.0.0.1:9/packed", dest, "lmdb", progress=False)
+
+
 def test_the_lock_is_the_same_however_dest_is_spelled(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
