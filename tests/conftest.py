@@ -32,6 +32,16 @@ def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(coarse, "RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
+def noise_folder(root: Path, count: int, side: int, ext: str, classes: int = 3) -> Path:
+    """``count`` distinct side x side RGB noise images, ``root/class{i % classes}/img{i:02d}.{ext}`` (seed 0)."""
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        path = root / f"class{i % classes}" / f"img{i:02d}.{ext}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
+    return root
+
+
 def write_image(path: str | os.PathLike, width: int = 64, height: int = 48, seed: int = 0, mode: str = "RGB",
                 fmt: str | None = None, **save_kwargs) -> Path:
     """Write a synthetic image at ``path`` (parents created) in ``mode``; the format follows the suffix

@@ -16,9 +16,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import noise_folder
 from PIL import Image
 
 import packer
@@ -32,12 +32,7 @@ BATCH = 4
 def packs(tmp_path_factory) -> dict[str, Path]:
     """24 distinct 20x20 JPEGs in 3 classes, packed in every format (wds in 4 shards)."""
     root = tmp_path_factory.mktemp("arguments")
-    rng = np.random.default_rng(0)
-    for i in range(COUNT):
-        path = root / "src" / f"class{i % 3}" / f"img{i:02d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(path)
-    out = {"src": root / "src"}
+    out = {"src": noise_folder(root / "src", COUNT, 20, "jpg")}
     for fmt in ("lmdb", "hdf5", "wds"):
         out[fmt] = root / fmt
         extra = {"shard_samples": 6} if fmt == "wds" else {}

@@ -8,6 +8,7 @@ Lint is not run here: CI (.ci/run) runs ``ruff check .`` before the tests."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import sys
 from importlib.metadata import version
@@ -147,34 +148,18 @@ def test_ci_lints_with_ruff():
 # --------------------------------------------------------------------------------------------------------------
 # No import cycles between packer's modules, counting imports inside functions
 # --------------------------------------------------------------------------------------------------------------
+def _count_climbs():
+    """scripts/count_climbs.py (scripts/ is not a package): its import walk is the one these rules read."""
+    spec = importlib.util.spec_from_file_location("count_climbs", REPO / "scripts" / "count_climbs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def module_imports() -> dict[str, set[str]]:
     """``{module: packer modules it imports}``, from every import statement (an AST walk, so imports inside
     functions count too); ``from . import x`` counts the submodule ``x``."""
-    package = REPO / "packer"
-    modules = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(REPO).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(here[:len(here) - node.level + 1] + [node.module] if node.level and node.module
-                                else here[:len(here) - node.level + 1] if node.level else [node.module or ""])
-                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
-            else:
-                continue
-            for target in targets:
-                while target and target not in modules:  # an attribute of a module, or not packer's
-                    target = target.rpartition(".")[0]
-                if target and target not in (name, "packer"):  # packer/__init__ imports lazily, by name
-                    found.add(target)
-        graph[name] = found
-    return graph
+    return {name: set(targets) for name, targets in _count_climbs().imports(REPO).items()}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

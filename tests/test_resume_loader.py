@@ -14,11 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import noise_folder
 from packed_support import FORMATS, free_port
-from PIL import Image
 
 import packer
 from packer.loader import collate
@@ -75,11 +74,7 @@ def read_out(path: str, rank: int = 0) -> dict:
 def packs(tmp_path_factory) -> dict[str, Path]:
     """30 distinct 16x16 RGB images in 3 classes, packed raw in every format."""
     root = tmp_path_factory.mktemp("resume")
-    rng = np.random.default_rng(0)
-    for i in range(COUNT):
-        path = root / "src" / f"class{i % 3}" / f"img{i:02d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    noise_folder(root / "src", COUNT, 16, "png")
     out = {}
     for fmt in FORMATS:
         out[fmt] = root / fmt
