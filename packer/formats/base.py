@@ -18,10 +18,11 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, UsageError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
 from ..manifest import add_key_check, label_bounds, read_local_manifest
 from ..transforms import Encoded, TransformSpec
+from .layout import Layout, RangeSource
 
 
 class Writer(ABC):
@@ -242,6 +243,37 @@ class Reader(ABC):
         total = sum(int(e.get("bytes", 0)) for e in self.manifest.get("files", []) if isinstance(e, dict))
         step = max(1, int(target_bytes * n // total)) if total > 0 else 1
         return np.arange(0, n, step, dtype=np.int64)
+
+    # -- reading by byte ranges (a dataset larger than the local cache: packer.formats.layout) ------------------
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """Each sample's byte range in the data files, and the per-sample arrays :meth:`ranged_sample` needs,
+        computed from byte ranges of the files (``source``) without reading the samples' payloads. ``where``
+        (the dataset's URL or folder) names the dataset in errors.
+
+        Raises:
+            UsageError: the format cannot be read a block at a time.
+            CorruptDataError: the files disagree with ``manifest``."""
+        raise UsageError(f"{where}: {cls.format or 'this'} datasets cannot be read a block at a time; raise "
+                         "cache_limit to the dataset's size")
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        """Sample ``index`` from its range's bytes (``data``: bytes ``layout.start[index]:layout.end[index]``
+        of its file); :class:`CorruptDataError` naming ``where`` when they are not a sample."""
+        raise NotImplementedError
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        """:meth:`read_extras` of sample ``index`` from its range's bytes (``extras``: the manifest's extra
+        fields, in order)."""
+        raise NotImplementedError
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        """:meth:`fields_checksum` of sample ``index`` from its range's bytes."""
+        raise NotImplementedError
 
     # -- verify hooks --------------------------------------------------------------------------------------------
     def count_problems(self) -> list[str]:

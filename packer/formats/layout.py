@@ -1,0 +1,151 @@
+"""Where each sample's bytes lie in a dataset's data files: what reading a dataset a block at a time needs when
+its files cannot be mapped whole (a URL larger than the local cache; page-cache budgets on local files).
+
+A format computes a :class:`Layout` from byte ranges of its files (:meth:`packer.formats.Reader.layout`, given a
+:class:`RangeSource`), once: each sample's file and ``[start, end)`` range (everything its ``read``, extras and
+fields checksum touch, other than what the format keeps in ``index``), and ``index``, the small per-sample arrays
+the format needs besides those bytes (labels, shapes, crc32s...). The format's ``ranged_*`` hooks then turn a
+sample's range bytes into its :class:`~packer.formats.Sample`. Nothing here knows a format or a URL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import CorruptDataError
+
+LAYOUT_VERSION = 1  # bump when a format's layout or index arrays change meaning: cached layouts are rebuilt
+
+
+class RangeSource(Protocol):
+    """Byte ranges of a dataset's data files (by their manifest ``path``), wherever the files lie."""
+
+    def read(self, relpath: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``relpath``; fewer only where the file ends before ``end``."""
+        ...
+
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """:meth:`read` of each ``(relpath, start, end)``, concurrently where the source allows, in order."""
+        ...
+
+    def size(self, relpath: str) -> int:
+        """The file's size in bytes."""
+        ...
+
+
+class LocalSource:
+    """A :class:`RangeSource` over the files of a local dataset folder."""
+
+    def __init__(self, root: str | os.PathLike, threads: int = 4):
+        self.root = Path(root)
+        self.threads = threads
+
+    def read(self, relpath: str, start: int, end: int) -> bytes:
+        with open(self.root / relpath, "rb") as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
+
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        if len(ranges) < 2:
+            return [self.read(*r) for r in ranges]
+        with ThreadPoolExecutor(self.threads) as pool:
+            return list(pool.map(lambda r: self.read(*r), ranges))
+
+    def size(self, relpath: str) -> int:
+        return (self.root / relpath).stat().st_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Each sample's byte range in the data files, and the format's own per-sample arrays.
+
+    Attributes:
+        files: the data files holding the samples' ranges (manifest ``path`` s).
+        file: per sample, its file (an index into ``files``; int32).
+        start: per sample, the first byte of its range (int64).
+        end: per sample, one past its last byte (int64).
+        index: the format's arrays (each a numpy array with no objects, e.g. ``labels``, ``crc32``): what its
+            ``ranged_*`` hooks read besides the range.
+    """
+
+    files: tuple[str, ...]
+    file: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    index: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def check(self, count: int, sizes: Sequence[int], where: object) -> None:
+        """:class:`CorruptDataError` naming ``where`` unless there is one range per sample (``count``), each in
+        its file (``sizes``: each file's bytes) and not reversed."""
+        file, start, end = self.file, self.start, self.end
+        if not (len(file) == len(start) == len(end) == count):
+            raise CorruptDataError(f"{where}: the layout has {len(start)} ranges for {count} samples; re-pack")
+        if count == 0:
+            return
+        if file.min() < 0 or file.max() >= len(self.files):
+            raise CorruptDataError(f"{where}: a sample's range names a file the dataset does not have; re-pack")
+        limits = np.asarray(sizes, dtype=np.int64)[file]
+        if np.any(start < 0) or np.any(end < start) or np.any(end > limits):
+            bad = int(np.flatnonzero((start < 0) | (end < start) | (end > limits))[0])
+            raise CorruptDataError(f"{where}: sample {bad}'s range [{int(start[bad])}, {int(end[bad])}) lies outside "
+                                   f"{self.files[int(file[bad])]}; the data is damaged, re-pack")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the layout to ``path`` (an ``.npz``, no pickles), atomically."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        arrays = {"files": np.array(self.files, dtype=str), "file": self.file, "start": self.start,
+                  "end": self.end, "version": np.array(LAYOUT_VERSION)}
+        arrays.update({f"index.{name}": value for name, value in self.index.items()})
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Layout | None:
+        """The layout saved at ``path``; None when there is none, or it is of another version or damaged (it is
+        then computed again)."""
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                if int(data["version"]) != LAYOUT_VERSION:
+                    return None
+                index = {name[6:]: data[name] for name in data.files if name.startswith("index.")}
+                return cls(tuple(str(f) for f in data["files"]), data["file"].astype(np.int32),
+                           data["start"].astype(np.int64), data["end"].astype(np.int64), index)
+        except (OSError, ValueError, KeyError, EOFError):
+            return None
+
+
+def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:
+    """Block starts over the layout's samples: a new block where the file changes, or where the samples so far
+    span ``target_bytes`` or more of their file (at least one sample a block). An increasing int64 array from 0."""
+    n = len(layout)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    starts = [0]
+    first_byte = int(layout.start[0])
+    for i in range(1, n):
+        if layout.file[i] != layout.file[i - 1] or int(layout.end[i]) - first_byte > target_bytes:
+            starts.append(i)
+            first_byte = int(layout.start[i])
+    return np.asarray(starts, dtype=np.int64)
+
+
+def block_span(layout: Layout, starts: np.ndarray, block: int) -> tuple[int, int, int]:
+    """Block ``block``'s ``(file, first byte, one past the last byte)``: the one range that holds its samples'."""
+    a = int(starts[block])
+    b = int(starts[block + 1]) if block + 1 < len(starts) else len(layout)
+    files = layout.file[a:b]
+    if files.min() != files.max():
+        raise ValueError(f"block {block} spans several files")
+    return int(files[0]), int(layout.start[a:b].min()), int(layout.end[a:b].max())
