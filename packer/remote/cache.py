@@ -3,7 +3,10 @@
 Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``; its bound is
 ``cache_limit``, else ``PACKER_CACHE_LIMIT``, else none)::
 
-    objects/ab/<sha256>      data files, named by their content's sha256, each checked before it was renamed here
+    objects/ab/<sha256>      data files, named by their content's sha256, and ranges of them (blocks, see
+                             :mod:`.ranges`), named by the sha256 of ``"FILE_SHA256:START:END"``; each checked
+                             (whole files against their sha256, ranges against their length) before it was
+                             renamed here
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
     locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
@@ -48,6 +51,10 @@ def default_cache_dir() -> Path:
     return Path(base) / "packer"
 
 
+class CacheFull(RemoteError):
+    """No room for an object within ``cache_limit``: what is cached is pinned by readers or downloads."""
+
+
 class Pin:
     """A shared lock on one cached object, held while a reader may use it; eviction skips it. A forked child
     shares it; :meth:`release` (or the process's exit) lets the object be evicted again."""
@@ -70,7 +77,8 @@ def _is_regular(path: Path) -> bool:
 
 
 class Cache:
-    """A cache folder with an optional size bound (``limit`` in bytes or ``"10GB"``)."""
+    """A cache folder with an optional size bound (``limit`` in bytes or ``"10GB"``). Its objects are whole data
+    files or byte ranges of them: both are regular files under ``objects/``, pinned, counted and evicted alike."""
 
     def __init__(self, root: str | os.PathLike | None = None, limit: int | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
@@ -186,7 +194,7 @@ class Cache:
             if self._evict(path):
                 total -= bytes_
         if total + size > self.limit:
-            raise RemoteError(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
+            raise CacheFull(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
                               f"{total:,} bytes are in use by open datasets or downloads; raise cache_limit, or "
                               "read with packer.stream, which holds one shard per worker")
 
