@@ -143,16 +143,14 @@ def test_a_block_is_one_ranged_get_kept_in_the_cache_as_its_own_object(packs, se
     remote = parse_url(f"{server.url}/lmdb")
     store = RemoteBlocks(remote, manifest, None, tmp_path / "cache", None)
     before = server.gets(f"/lmdb/{path}")
-    block, release = store.open(path, 100, 5000)
+    block = store.open(path, 100, 5000)
     assert bytes(block) == data[100:5000] and server.gets(f"/lmdb/{path}") == before + 1
-    again, release_again = store.open(path, 100, 5000)  # cached: no request
+    again = store.open(path, 100, 5000)  # cached: no request
     assert bytes(again) == data[100:5000] and server.gets(f"/lmdb/{path}") == before + 1
     assert Cache(tmp_path / "cache").object_path(range_name(entry["sha256"], 100, 5000, len(data))).stat().st_size \
         == 4900
-    whole, release_whole = store.open(path, 0, len(data))  # the whole file: the file's own object, sha256 checked
+    whole = store.open(path, 0, len(data))  # the whole file: the file's own object, sha256 checked
     assert bytes(whole) == data and Cache(tmp_path / "cache").object_path(entry["sha256"]).exists()
-    for done in (release, release_again, release_whole):
-        done()
     source, local = RemoteSource(remote, manifest), LocalSource(packs / "lmdb")
     ranges = [(path, 0, 64), (path, 10, 20), (path, len(data) - 8, len(data) + 100)]
     assert source.read_many(ranges) == local.read_many(ranges) and source.size(path) == local.size(path)

@@ -28,14 +28,14 @@ from .layout import LAYOUT_VERSION, Layout, RangeSource, span_blocks
 
 BLOCK_CAP = 64 << 20  # the largest block: a few seconds of decoding on one core
 WINDOW = 4  # make_loader's block_window default: the blocks one window of the order mixes
-KEEP_BLOCKS = 4  # blocks each process keeps open (pinned and mapped): a window's, as a batch mixes them
+KEEP_BLOCKS = 4  # blocks each process keeps mapped: a window's, as a batch mixes them
 
 
 class BlockStore(Protocol):
     """Where a :class:`BlockedReader` gets its blocks (for a URL: the node's cache, filled by ranged GETs)."""
 
-    def open(self, relpath: str, start: int, end: int) -> tuple[memoryview, Callable[[], None]]:
-        """Bytes ``[start, end)`` of ``relpath`` and the call that lets them go (unpins them)."""
+    def open(self, relpath: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of ``relpath``, valid for as long as they are referenced."""
         ...
 
     def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:
@@ -63,16 +63,17 @@ def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = Non
     """The block size for a cache of ``limit`` bytes, and the blocks each rank's loader fetches ahead.
 
     The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default two
-    windows: the one being read and the next, which prefetched batches reach into), ``KEEP_BLOCKS`` open in each
-    worker process (``workers``, default the node's usable cores) and one more, so ``block = limit //
-    (ranks * fetch_ahead + workers * KEEP_BLOCKS + 1)``, at most ``BLOCK_CAP`` (``ranks``: the node's,
-    ``LOCAL_WORLD_SIZE``, default 1).
+    windows: the one being read and the next, which prefetched batches reach into), one block per worker
+    process (``workers``, default the node's usable cores: a block is pinned while a worker fetches and maps
+    it) and one more, so ``block = limit // (ranks * fetch_ahead + workers + 1)``, at most ``BLOCK_CAP``
+    (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also keeps ``KEEP_BLOCKS`` blocks
+    mapped, which may outlive their place in the cache (evicted, still mapped).
     """
     fetch_ahead = 2 * window if fetch_ahead is None else fetch_ahead
     workers = usable_cores() if workers is None else workers
     if ranks is None:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
-    pinned = max(1, ranks) * fetch_ahead + workers * KEEP_BLOCKS + 1
+    pinned = max(1, ranks) * fetch_ahead + workers + 1
     return max(1, min(BLOCK_CAP, limit // pinned)), fetch_ahead
 
 
@@ -142,8 +143,6 @@ class BlockedReader(Reader):
         return len(self.layout)
 
     def _open(self) -> None:
-        for _, release in (self._blocks or {}).values():  # a forked child's copies of its parent's pins
-            release()
         self._blocks, self._lock = collections.OrderedDict(), threading.Lock()
         _OPEN.add(self)
 
@@ -169,11 +168,11 @@ class BlockedReader(Reader):
             if found is None:
                 found = self._blocks[block] = self.store.open(*self.block_range(block))
                 while len(self._blocks) > self.keep:
-                    self._blocks.popitem(last=False)[1][1]()
+                    self._blocks.popitem(last=False)
             else:
                 self._blocks.move_to_end(block)
         offset = int(self.spans[block][1])
-        data = found[0]
+        data = found
         start, end = int(self.layout.start[index]) - offset, int(self.layout.end[index]) - offset
         if end > len(data):
             raise CorruptDataError(f"{self.describe(index)}: its block holds {len(data):,} bytes, fewer than its "
@@ -181,12 +180,10 @@ class BlockedReader(Reader):
         return data[start:end]
 
     def close_blocks(self) -> None:
-        """Let every block this process holds open go (they reopen on next use)."""
-        if self._blocks is None or self._pid != os.getpid():
-            return
-        with self._lock:
-            while self._blocks:
-                self._blocks.popitem()[1][1]()
+        """Let every block this process keeps mapped go (they are mapped again on next use)."""
+        if self._blocks is not None and self._pid == os.getpid():
+            with self._lock:
+                self._blocks.clear()
 
     @classmethod
     def close_process_handles(cls) -> None:

@@ -168,19 +168,22 @@ class RemoteBlocks:
         pin = self._pin(relpath, start, end, wait)
         return None if pin is None else pin.release
 
-    def open(self, relpath: str, start: int, end: int) -> tuple[memoryview, Callable[[], None]]:
-        """Block ``[start, end)`` of ``relpath``: its bytes (a read-only map of the cached object, valid until
-        released and after: an evicted file stays mapped) and the release of its pin; waits for room as
-        :meth:`hold` does."""
+    def open(self, relpath: str, start: int, end: int) -> memoryview:
+        """Block ``[start, end)`` of ``relpath``, fetched first when it is not cached (waiting for room as
+        :meth:`hold` does): a read-only map of the cached object, pinned only while it is mapped. The map stays
+        valid for as long as it is referenced, even once the object is evicted (cached objects never change), so
+        a reader keeps a few blocks mapped without keeping them in the cache's count: what it holds beyond the
+        cache is bounded by the blocks it keeps."""
         if end <= start:
-            return memoryview(b""), lambda: None
+            return memoryview(b"")
         pin = self._pin(relpath, start, end, True)
         try:
-            return _mapped(pin.path), pin.release
+            return _mapped(pin.path)
         except OSError as exc:
-            pin.release()
             raise RemoteError(f"{pin.path}: cannot read a cached block ({exc.strerror or exc}); check the cache "
                               "folder") from None
+        finally:
+            pin.release()
 
 
 class BlockedRemote(NamedTuple):
