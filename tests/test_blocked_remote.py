@@ -14,6 +14,7 @@ import collections
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from packed_support import FORMATS, free_port
 from remote_support import S3Server, serve_files
 
 import packer
-from packer.errors import RemoteError
+from packer.errors import CorruptDataError, RemoteError
 from packer.formats import Reader, get_format
 from packer.formats.layout import LocalSource
 from packer.remote.cache import Cache
@@ -62,11 +63,19 @@ def quick_retries():
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory) -> Path:
-    """``COUNT`` distinct images in 3 classes, packed raw in every format, in one folder the server serves."""
+    """``COUNT`` distinct images in 3 classes, packed raw in every format, in one folder the server serves; and
+    ``parted``: two copies of the LMDB pack under one manifest, as a 2-rank conversion leaves them."""
     root = tmp_path_factory.mktemp("blocked")
     noise_folder(root / "src", COUNT, SIDE, "png")
     for fmt in FORMATS:
         packer.pack(root / "src", root / "packs" / fmt, fmt, store="raw", progress=False, workers=1, **PACK[fmt])
+    parted, manifest = root / "packs" / "parted", packer.read_manifest(root / "packs" / "lmdb")
+    for r in range(2):
+        shutil.copytree(root / "packs" / "lmdb", parted / f"part-{r:05d}", ignore=shutil.ignore_patterns("*.json"))
+    files = [{**e, "path": f"part-{r:05d}/{e['path']}"} for r in range(2) for e in manifest["files"]]
+    parts = [{"path": f"part-{r:05d}", "count": COUNT, "range": [r * COUNT, (r + 1) * COUNT]} for r in range(2)]
+    (parted / "manifest.json").write_text(json.dumps({**manifest, "count": 2 * COUNT, "files": files,
+                                                      "parts": parts}))
     return root / "packs"
 
 
@@ -184,6 +193,37 @@ def test_a_short_range_is_refused_in_one_line(packs, tmp_path):
         assert "fetched twice" in str(error.value) and "\n" not in str(error.value)
         assert f"{served.url}/lmdb/{entry['path']}" in str(error.value)
         assert Cache(tmp_path / "cache").used() == 0
+    finally:
+        served.stop()
+
+
+def test_a_dataset_that_fits_keeps_whole_files_and_one_in_parts_must_fit(packs, server, tmp_path):
+    total = data_bytes(packs, "lmdb")
+    ds = packer.open_dataset(f"{server.url}/lmdb", cache_dir=tmp_path / "cache", cache_limit=2 * total)
+    assert type(ds.reader).__name__ != "BlockedReader" and len(ds) == COUNT
+    with pytest.raises(RemoteError) as error:
+        packer.open_dataset(f"{server.url}/parted", cache_dir=tmp_path / "cache", cache_limit=total)
+    assert "converted in parts" in str(error.value) and "raise cache_limit" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_damaged_bytes_are_one_line_naming_the_url_and_file(fmt, packs, tmp_path):
+    shutil.copytree(packs / fmt, tmp_path / "served" / fmt)
+    served = serve_files(tmp_path / "served")
+    try:
+        url = f"{served.url}/{fmt}"
+        ds = open_blocked(url, tmp_path / "cache", data_bytes(packs, fmt) // 8)
+        layout, index = ds.reader.layout, 77
+        path = tmp_path / "served" / fmt / layout.files[int(layout.file[index])]
+        data = bytearray(path.read_bytes())
+        middle = (int(layout.start[index]) + int(layout.end[index])) // 2
+        data[middle] ^= 0xFF
+        path.write_bytes(bytes(data))  # the manifest's sha256 no longer holds: ranges are checked by crc32
+        with pytest.raises(CorruptDataError) as error:
+            ds[index]
+        assert f"{url}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
+        assert "\n" not in str(error.value)
     finally:
         served.stop()
 
