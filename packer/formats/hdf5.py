@@ -30,7 +30,7 @@ from ..fields import NUMERIC, Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, blocks_by_size, register
-from .hdf5_ranges import TAIL_BYTES, RangeFile, check_offsets, extent, read_arrays
+from .hdf5_ranges import RangeFile, check_offsets, extent, read_arrays
 from .identity import changed_error, check_unchanged, file_id
 from .layout import Layout, RangeSource
 
@@ -356,7 +356,7 @@ class Hdf5Reader(Reader):
         n = self._count
         images = f["images"]
         begin, nbytes = extent(images, file.size, where)
-        file.fetch([(begin + nbytes, begin + nbytes + TAIL_BYTES)])  # the other datasets and their headers
+        file.fetch([(begin + nbytes, begin + nbytes + file.ahead)])  # the other datasets and their headers
         names = ["labels", "shapes", "crc32"] + (["offsets"] if "offsets" in f else [])
         names += ["fields_crc32"] if self.extra_fields else []
         nodes = [f[name] for name in names]

@@ -2,6 +2,11 @@
 HDF5 layout (:meth:`packer.formats.hdf5.Hdf5Reader.layout`): h5py opens a :class:`RangeFile`, which fetches the
 file in aligned chunks and keeps them, so that HDF5's many small metadata reads cost a few source reads.
 
+A file packer wrote holds its superblock and the images dataset's header in the first chunk, then the images
+blob, then everything else (the root group's heap, the other datasets' headers and values): a read past the
+first chunk therefore fetches ahead, up to ``TAIL_BYTES``, so that the metadata after the blob and the small
+datasets come in one source call.
+
 Only contiguous, unfiltered datasets are read by byte ranges (packer writes no other kind); every extent is
 checked against the file's size before anything is sized from it.
 """
@@ -18,7 +23,7 @@ from ..errors import CorruptDataError, UsageError
 from .layout import RangeSource
 
 CHUNK = 1 << 20  # bytes a source read brings (aligned): HDF5's metadata reads are tens to hundreds of bytes
-TAIL_BYTES = 64 << 20  # what follows the images blob (the other datasets and their headers) is read whole up to this
+TAIL_BYTES = 64 << 20  # a read past the first chunk fetches ahead this far: the metadata and datasets after the blob
 
 
 class RangeFile(io.RawIOBase):
@@ -30,11 +35,12 @@ class RangeFile(io.RawIOBase):
         relpath: the file, as the source names it.
         where: the file as errors name it.
         chunk: bytes a piece.
+        ahead: bytes a read past the first piece fetches beyond what it asks for (when they are not in memory).
     """
 
-    def __init__(self, source: RangeSource, relpath: str, where: str, chunk: int = CHUNK):
+    def __init__(self, source: RangeSource, relpath: str, where: str, chunk: int = CHUNK, ahead: int = TAIL_BYTES):
         super().__init__()
-        self.source, self.relpath, self.where, self.chunk = source, relpath, where, chunk
+        self.source, self.relpath, self.where, self.chunk, self.ahead = source, relpath, where, chunk, ahead
         self.size = int(source.size(relpath))
         self.pos = 0
         self.pieces: dict[int, memoryview] = {}
@@ -56,6 +62,8 @@ class RangeFile(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         view = memoryview(buffer).cast("B")
+        if self.pos >= self.chunk and self.pos // self.chunk not in self.pieces:
+            self.fetch([(self.pos, self.pos + len(view) + self.ahead)])
         data = self.pread(self.pos, len(view))
         view[:len(data)] = data
         self.pos += len(data)
