@@ -230,7 +230,26 @@ def test_a_truncated_file_is_a_one_line_error(pack_once, sample_data, tmp_path, 
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(int(size * keep) if keep < 1 else keep)
-    one_line_error(root)
+    assert "truncated" in one_line_error(root)
+
+
+def test_an_overwritten_superblock_is_a_one_line_error(pack_once, sample_data, tmp_path):
+    root = damaged_copy(pack_once(sample_data, "hdf5", "original"), tmp_path)
+    with open(root / FILENAME, "r+b") as f:
+        f.write(b"\xff" * 64)
+    assert "signature" in one_line_error(root)
+
+
+def test_a_file_shorter_than_its_source_says_is_a_one_line_error(pack_once, sample_data):
+    root = pack_once(sample_data, "hdf5", "original")
+
+    class Longer(CountingSource):  # a file that shrank between its size and its reads
+        def size(self, relpath: str) -> int:
+            return super().size(relpath) + 4096
+
+    with pytest.raises(CorruptDataError, match="changed while being read") as caught:
+        layout_of(root, Longer(root))
+    assert "\n" not in str(caught.value) and FILENAME in str(caught.value)
 
 
 def test_counts_and_lying_sizes_are_one_line_errors_before_any_allocation(pack_once, sample_data, tmp_path):
