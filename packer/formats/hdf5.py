@@ -13,6 +13,10 @@ Datasets (all contiguous, uncompressed, readable by plain h5py and ``h5dump``):
 
 During conversion payloads stream into a temporary blob file; ``close`` copies it into a contiguous dataset of
 the final size (HDF5 cannot grow a dataset without chunking it, and chunks cannot be memory-mapped).
+
+Read by byte ranges (a URL larger than the local cache, :mod:`packer.formats.layout`), a sample's range is its
+slice of the ``images`` blob (or its row); :meth:`Hdf5Reader.layout` finds them with h5py reading the metadata
+through :mod:`packer.formats.hdf5_ranges`, and keeps the small arrays in the layout's index.
 """
 
 from __future__ import annotations
