@@ -107,10 +107,10 @@ def test_ranges_are_the_payloads_of_an_offsets_store(pack_once, sample_data, sto
     assert check_every_sample(root, check_round_trip(layout, tmp_path)) == 150
 
 
-def test_ranges_are_the_rows_of_a_fixed_shape_raw_store(pack_once, sample_data, tmp_path):
-    root = pack_once(sample_data, "hdf5", "raw")  # 56 x 56 x 3 uint8 rows
+@pytest.mark.parametrize(("store", "row"), [("raw", 56 * 56 * 3), ("raw_normalize", 32 * 40 * 3 * 2)])
+def test_ranges_are_the_rows_of_a_fixed_shape_raw_store(pack_once, sample_data, tmp_path, store, row):
+    root = pack_once(sample_data, "hdf5", store)  # 56 x 56 x 3 uint8 rows; 32 x 40 x 3 float16 rows
     layout = layout_of(root)
-    row = 56 * 56 * 3
     assert np.all(layout.end - layout.start == row) and np.all(np.diff(layout.start) == row)
     with h5py.File(root / FILENAME, "r") as f:
         assert layout.start[0] == f["images"].id.get_offset()
