@@ -104,7 +104,8 @@ class Layout:
         """Write the layout to ``path`` (an ``.npz``, no pickles), atomically."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        arrays = {"files": np.array(self.files, dtype=str), "file": self.file, "start": self.start,
+        # "file" is np.savez's own first argument: the per-sample files are stored as "sample_file"
+        arrays = {"files": np.array(self.files, dtype=str), "sample_file": self.file, "start": self.start,
                   "end": self.end, "version": np.array(LAYOUT_VERSION)}
         arrays.update({f"index.{name}": value for name, value in self.index.items()})
         with open(tmp, "wb") as f:
@@ -120,7 +121,7 @@ class Layout:
                 if int(data["version"]) != LAYOUT_VERSION:
                     return None
                 index = {name[6:]: data[name] for name in data.files if name.startswith("index.")}
-                return cls(tuple(str(f) for f in data["files"]), data["file"].astype(np.int32),
+                return cls(tuple(str(f) for f in data["files"]), data["sample_file"].astype(np.int32),
                            data["start"].astype(np.int64), data["end"].astype(np.int64), index)
         except (OSError, ValueError, KeyError, EOFError):
             return None
