@@ -13,12 +13,16 @@ Datasets (all contiguous, uncompressed, readable by plain h5py and ``h5dump``):
 
 During conversion payloads stream into a temporary blob file; ``close`` copies it into a contiguous dataset of
 the final size (HDF5 cannot grow a dataset without chunking it, and chunks cannot be memory-mapped).
+
+Read by byte ranges (a URL larger than the local cache, :mod:`packer.formats.layout`), a sample's range is its
+slice of the ``images`` blob (or its row); :meth:`Hdf5Reader.layout` finds them with h5py reading the metadata
+through :mod:`packer.formats.hdf5_ranges`, and keeps the small arrays in the layout's index.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,9 @@ from ..fields import NUMERIC, Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, blocks_by_size, register
+from .hdf5_ranges import RangeFile, check_offsets, extent, read_arrays
 from .identity import changed_error, check_unchanged, file_id
+from .layout import Layout, RangeSource
 
 FILENAME = "data.h5"
 COPY_BYTES = 64 << 20
@@ -160,6 +166,41 @@ def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
     return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape).view(np.ndarray)
 
 
+def _sample(index: int, payload: memoryview, labels: np.ndarray, shapes: np.ndarray, crcs: np.ndarray) -> Sample:
+    """Sample ``index`` of its payload and the per-sample arrays (the local and the ranged reads')."""
+    return Sample(payload, int(labels[index]), tuple(shapes[index].tolist()), int(crcs[index]))
+
+
+def _field_value(index: int, values: np.ndarray, offsets: np.ndarray | None, where: str) -> memoryview:
+    """Sample ``index``'s stored bytes of one extra field: its row of a typed field (``offsets`` None), or its
+    slice of a bytes field's ``values`` by ``offsets``; ``where`` names the sample in errors."""
+    if offsets is None:
+        return memoryview(np.ascontiguousarray(values[index])).cast("B")
+    a, b = int(offsets[index]), int(offsets[index + 1])
+    if not 0 <= a <= b <= len(values):
+        raise CorruptDataError(f"{where}: field offsets out of range; run `packer verify`")
+    return memoryview(values[a:b])
+
+
+def _field_index(name: str, node: h5py.Dataset | h5py.Group, arrays: list[np.ndarray], n: int,
+                 where: str) -> dict[str, np.ndarray]:
+    """The layout index arrays of extra field ``name`` (``node`` in the file), taking its values (and offsets)
+    from the front of ``arrays``; CorruptDataError unless they hold ``n`` samples."""
+    values = arrays.pop(0)
+    if isinstance(node, h5py.Dataset):
+        if values.ndim == 0 or len(values) != n:
+            raise CorruptDataError(f"{where}: 'fields/{name}' is {values.shape}, {n} samples need {n} rows; the file "
+                                   "is damaged, re-pack")
+        return {f"values.{name}": values}
+    offsets = arrays.pop(0)
+    if offsets.shape != (n + 1,) or offsets.dtype.kind not in "iu" or values.ndim != 1 or values.dtype != np.uint8:
+        raise CorruptDataError(f"{where}: 'fields/{name}' is {values.shape} {values.dtype} with offsets "
+                               f"{offsets.shape} {offsets.dtype}; {n} samples need bytes and {n + 1} int offsets, "
+                               "the file is damaged, re-pack")
+    check_offsets(offsets.astype(np.int64), len(values), where, f"fields/{name}/offsets")
+    return {f"values.{name}": values, f"offsets.{name}": offsets}
+
+
 class Hdf5Reader(Reader):
     """Reads an HDF5 dataset. Each process opens the file lazily, memory-maps ``images``, ``offsets``,
     ``shapes``, ``labels`` and ``crc32`` at their file offsets, and reads them with numpy, not per sample
@@ -179,50 +220,53 @@ class Hdf5Reader(Reader):
         self._file_id = file_id(self.path)  # the file the manifest just read describes
 
     def _check_data(self) -> None:
-        """Check the file's arrays against the manifest before anything is sized from either: every per-sample
-        array holds ``count`` rows, ``offsets`` one more and inside ``images``, a fixed-shape ``images`` has the
-        manifest's shape and dtype, labels are class indices, shapes are images. Only metadata and the small
-        per-sample arrays are read; the file is closed again (each process opens its own)."""
-        n = self._count
+        """Check the file's arrays against the manifest (:meth:`_check_file`); the file is closed again (each
+        process opens its own)."""
         now = file_id(self.path)
         if self._file_id is not None and now is not None:
             check_unchanged(self.path, self._file_id, now)  # replaced since the manifest was read
         try:
             with h5py.File(self.path, "r", locking=self.locking) as f:
-                arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
-                offsets = f["offsets"] if "offsets" in f else None
-                if arrays["labels"].shape != (n,):
-                    raise self.bad_count(f"{self.path} (labels)", arrays["labels"].shape[0] if arrays["labels"].ndim
-                                         else 0)
-                expect = {"crc32": (n,), "relpaths": (n,), "shapes": (n, 3)}
-                for name, shape in expect.items():
-                    if arrays[name].shape != shape:
-                        raise CorruptDataError(f"{self.path}: '{name}' is {arrays[name].shape}, {n} samples need "
-                                               f"{shape}; the file is damaged, re-pack")
-                images = arrays["images"]
-                fixed = self.manifest.get("shape")
-                if offsets is None:
-                    if not self.is_raw or not fixed or images.shape != (n, *fixed) or images.dtype != self.spec.dtype:
-                        raise CorruptDataError(f"{self.path}: 'images' is {images.shape} {images.dtype}, the manifest "
-                                               f"says {n} x {fixed} {self.spec.dtype}; the file is damaged, re-pack")
-                else:
-                    if offsets.shape != (n + 1,) or images.ndim != 1:
-                        raise CorruptDataError(f"{self.path}: 'offsets' is {offsets.shape}, {n} samples need "
-                                               f"({n + 1},); the file is damaged, re-pack")
-                    ends = offsets[[0, n]] if n else offsets[[0]]
-                    if int(ends[0]) != 0 or int(ends[-1]) > images.shape[0]:
-                        raise CorruptDataError(f"{self.path}: 'offsets' run past 'images'; the file is damaged, "
-                                               "re-pack")
-                for name in ("labels", "shapes"):
-                    if arrays[name].dtype.kind not in "iu":
-                        raise CorruptDataError(f"{self.path}: '{name}' is {arrays[name].dtype}, not integers; "
-                                               "the file is damaged, re-pack")
-                self.check_labels(self.path, arrays["labels"][()])
-                self.check_shapes(self.path, arrays["shapes"][()])
+                self._check_file(f, self.path)
         except PackerError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+
+    def _check_file(self, f: h5py.File, where: object) -> None:
+        """Check an open file's arrays against the manifest before anything is sized from either: every
+        per-sample array holds ``count`` rows, ``offsets`` one more and inside ``images``, a fixed-shape
+        ``images`` has the manifest's shape and dtype, labels are class indices, shapes are images. Only
+        metadata and the small per-sample arrays are read. ``where`` names the file in errors."""
+        n = self._count
+        arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
+        offsets = f["offsets"] if "offsets" in f else None
+        if arrays["labels"].shape != (n,):
+            raise self.bad_count(f"{where} (labels)", arrays["labels"].shape[0] if arrays["labels"].ndim else 0)
+        expect = {"crc32": (n,), "relpaths": (n,), "shapes": (n, 3)}
+        for name, shape in expect.items():
+            if arrays[name].shape != shape:
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].shape}, {n} samples need {shape}; the "
+                                       "file is damaged, re-pack")
+        images = arrays["images"]
+        fixed = self.manifest.get("shape")
+        if offsets is None:
+            if not self.is_raw or not fixed or images.shape != (n, *fixed) or images.dtype != self.spec.dtype:
+                raise CorruptDataError(f"{where}: 'images' is {images.shape} {images.dtype}, the manifest says "
+                                       f"{n} x {fixed} {self.spec.dtype}; the file is damaged, re-pack")
+        else:
+            if offsets.shape != (n + 1,) or images.ndim != 1:
+                raise CorruptDataError(f"{where}: 'offsets' is {offsets.shape}, {n} samples need ({n + 1},); the "
+                                       "file is damaged, re-pack")
+            ends = offsets[[0, n]] if n else offsets[[0]]
+            if int(ends[0]) != 0 or int(ends[-1]) > images.shape[0]:
+                raise CorruptDataError(f"{where}: 'offsets' run past 'images'; the file is damaged, re-pack")
+        for name in ("labels", "shapes"):
+            if arrays[name].dtype.kind not in "iu":
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].dtype}, not integers; the file is "
+                                       "damaged, re-pack")
+        self.check_labels(where, arrays["labels"][()])
+        self.check_shapes(where, arrays["shapes"][()])
 
     def __len__(self) -> int:
         self.validate()
@@ -260,7 +304,7 @@ class Hdf5Reader(Reader):
             if not 0 <= a <= b <= len(self.images):
                 raise CorruptDataError(f"{self.describe(index)}: offsets out of range; run `packer verify`")
             payload = memoryview(self.images[a:b])
-        return Sample(payload, int(self.labels[index]), tuple(self.shapes[index].tolist()), int(self.crcs[index]))
+        return _sample(index, payload, self.labels, self.shapes, self.crcs)
 
     def _field_map(self, field: Field) -> tuple[np.ndarray, np.ndarray | None]:
         """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
@@ -276,19 +320,104 @@ class Hdf5Reader(Reader):
         return _memmap(self.path, node["values"]), offsets
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
-        values = []
-        for values_map, offsets in self.field_maps:
-            if offsets is None:
-                values.append(memoryview(np.ascontiguousarray(values_map[index])).cast("B"))
-                continue
-            a, b = int(offsets[index]), int(offsets[index + 1])
-            if not 0 <= a <= b <= len(values_map):
-                raise CorruptDataError(f"{self.describe(index)}: field offsets out of range; run `packer verify`")
-            values.append(memoryview(values_map[a:b]))
-        return tuple(values)
+        where = self.describe(index)
+        return tuple(_field_value(index, values, offsets, where) for values, offsets in self.field_maps)
 
     def fields_checksum(self, index: int) -> int | None:
         return int(self.fields_crcs[index])
+
+    # -- reading by byte ranges (packer.formats.layout) ----------------------------------------------------------
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """Each sample's range of ``images`` in ``data.h5`` (its slice of the blob by ``offsets``, or its row of a
+        fixed-shape raw store), from byte ranges of the file: h5py reads the metadata through a
+        :class:`~packer.formats.hdf5_ranges.RangeFile` (a few source reads: the file's first megabyte and what
+        follows the images blob), and the small datasets are fetched together.
+
+        ``index`` holds ``labels``, ``shapes``, ``crc32``, ``fields_crc32`` and, per extra field, ``values.NAME``
+        (a number field's typed rows, or a bytes field's bytes end to end) and ``offsets.NAME`` (a bytes
+        field's). Bytes fields (captions, masks) are read whole into the index for now: the images blob is what
+        the ranges, and so the blocks, cover. Every dataset's extent is checked against the file's size, and
+        every count against the manifest, before anything is sized from them.
+
+        Raises:
+            UsageError: a dataset of the file is chunked, compressed or external (packer writes none).
+            CorruptDataError: the file disagrees with ``manifest`` or is damaged (one line naming data.h5).
+        """
+        path = f"{str(where).rstrip('/')}/{FILENAME}"
+        checker = cls(where, manifest)  # the manifest's numbers and checks (count, labels, channels, fields)
+        try:
+            file = RangeFile(source, FILENAME, path)
+            with h5py.File(file, "r") as f:
+                return checker._layout_of(f, file, path)
+        except PackerError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise CorruptDataError(f"{path}: cannot read HDF5 ({exc}); the file is damaged, re-pack") from None
+
+    def _layout_of(self, f: h5py.File, file: RangeFile, where: str) -> Layout:
+        """:meth:`layout` of the open file ``f`` (over ``file``); ``where`` names it in errors."""
+        n = self._count
+        images = f["images"]
+        begin, nbytes = extent(images, file.size, where)
+        file.fetch([(begin + nbytes, begin + nbytes + file.ahead)])  # the other datasets and their headers
+        names = ["labels", "shapes", "crc32"] + (["offsets"] if "offsets" in f else [])
+        names += ["fields_crc32"] if self.extra_fields else []
+        nodes = [f[name] for name in names]
+        groups = [f[f"fields/{field.name}"] for field in self.extra_fields]
+        for node in groups:
+            nodes += [node] if isinstance(node, h5py.Dataset) else [node["values"], node["offsets"]]
+        values = read_arrays(file, nodes, where)
+        arrays, fields = dict(zip(names, values[:len(names)], strict=True)), values[len(names):]
+        self._check_file(f, where)  # counts against the manifest, labels, shapes (read again, from memory)
+        for name in names[2:]:
+            if arrays[name].dtype.kind not in "iu":
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].dtype}, not integers; the file is "
+                                       "damaged, re-pack")
+        index = {name: arrays[name] for name in ("labels", "shapes", "crc32")}
+        if self.extra_fields:
+            if arrays["fields_crc32"].shape != (n,):
+                raise CorruptDataError(f"{where}: 'fields_crc32' is {arrays['fields_crc32'].shape}, {n} samples "
+                                       f"need ({n},); the file is damaged, re-pack")
+            index["fields_crc32"] = arrays["fields_crc32"]
+        for field, node in zip(self.extra_fields, groups, strict=True):
+            index.update(_field_index(field.name, node, fields, n, where))
+        if "offsets" in arrays:
+            if images.dtype != np.uint8:
+                raise CorruptDataError(f"{where}: 'images' is {images.dtype}, not bytes; the file is damaged, re-pack")
+            offsets = arrays["offsets"].astype(np.int64)
+            check_offsets(offsets, nbytes, where, "offsets")
+            start, end = begin + offsets[:-1], begin + offsets[1:]
+        else:  # a fixed-shape raw store: one row a sample
+            row = nbytes // n if n else 0
+            start = begin + np.arange(n, dtype=np.int64) * row
+            end = start + row
+        layout = Layout((FILENAME,), np.zeros(n, np.int32), start, end, index)
+        layout.check(n, [file.size], where)
+        return layout
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        payload = memoryview(data).cast("B")
+        size = int(layout.end[index]) - int(layout.start[index])
+        if payload.nbytes != size:
+            raise CorruptDataError(f"{str(where).rstrip('/')}/{FILENAME} sample {index}: {payload.nbytes} bytes "
+                                   f"where its range holds {size}; open the dataset again")
+        arrays = layout.index
+        return _sample(index, payload, arrays["labels"], arrays["shapes"], arrays["crc32"])
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        arrays = layout.index
+        sample = f"{str(where).rstrip('/')}/{FILENAME} sample {index}"
+        return tuple(_field_value(index, arrays[f"values.{field.name}"], arrays.get(f"offsets.{field.name}"), sample)
+                     for field in extras)
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        crcs = layout.index.get("fields_crc32")
+        return None if crcs is None else int(crcs[index])
 
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""

@@ -104,7 +104,7 @@ class Layout:
         """Write the layout to ``path`` (an ``.npz``, no pickles), atomically."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        # "file" is np.savez's own parameter's name: the per-sample file numbers are stored as "sample_file"
+        # "sample_file", not "file": np.savez's own first parameter is named file
         arrays = {"files": np.array(self.files, dtype=str), "sample_file": self.file, "start": self.start,
                   "end": self.end, "version": np.array(LAYOUT_VERSION)}
         arrays.update({f"index.{name}": value for name, value in self.index.items()})

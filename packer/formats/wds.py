@@ -27,7 +27,8 @@ written under ``.tmp`` names and renamed once complete.
 
 A reader maps each shard on first use and keeps it; a shard (or the index) replaced since the reader read its
 manifest, e.g. by ``packer pack --overwrite`` of the same DEST, is refused in one line rather than read at the
-old offsets.
+old offsets. A dataset read by byte ranges (a URL larger than the local cache) reads the index whole and each
+sample's members from one range of its shard: :mod:`packer.formats.wds_layout`.
 
 Shards written by other tools (:func:`scan_shards`, :meth:`WdsReader.from_shards`, and ``packer pack`` from
 shards) are read as webdataset groups them, by key. What cannot be one unambiguous sample is never dropped or
@@ -57,20 +58,26 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptDataError, ManifestError, PackerError, warn
+from ..errors import CorruptDataError, ManifestError, PackerError, UsageError, warn
 from ..fields import PAIR_SCHEMA, Field, fields_crc32, label_field
 from ..manifest import file_entry, fsync_dir, is_safe_relpath
 from ..transforms import Encoded
 from .base import Reader, Sample, StreamSample, Writer, prefixed_entries, register, run_starts
 from .identity import FileId, changed_error, check_unchanged, file_id
+from .layout import Layout, RangeSource
 from .wds_foreign import ForeignShards, scan_shards
+from .wds_layout import ranged_extras, ranged_fields_checksum, ranged_sample, read_index, shard_layout
 from .wds_members import (
     INDEX_DTYPE,
+    after_json,
+    field_members,
+    fields_checksum_of,
     image_ext,
     member_bytes,
-    member_header,
     member_suffix,
     npy_bytes,
+    packer_info,
+    payload_sample,
     read_shard,
     stored_bytes,
 )
@@ -279,7 +286,6 @@ class WdsReader(Reader):
         if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
             return
         path = self.root / INDEX
-        shards = self.manifest.get("shards", [])
         try:
             index = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
@@ -287,12 +293,20 @@ class WdsReader(Reader):
         recorded, now = self._file_ids.get(path), file_id(path)
         if now is None or (recorded is not None and now != recorded):  # replaced since the manifest was read
             raise changed_error(path)
+        self.check_rows(index, path, self.root / "manifest.json")
+
+    def check_rows(self, index: np.ndarray, path: object, manifest_path: object) -> None:
+        """The checks of the shard index (``path`` and ``manifest_path`` name the files in messages) against the
+        manifest: one row per sample, the manifest's shard counts adding up to the count and matching the rows
+        of each shard, labels class indices and shapes images. Reads no file: the local reader checks its mapped
+        index so, :meth:`layout` the index it read by ranges."""
+        shards = self.manifest.get("shards", [])
         if index.dtype != INDEX_DTYPE or index.ndim != 1:
             raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
         if len(index) != self._count:
             raise self.bad_count(path, len(index))
         if sum(int(s.get("count", 0)) for s in shards) != self._count:
-            raise self.bad_count(f"{self.root / 'manifest.json'} (its shard counts)",
+            raise self.bad_count(f"{manifest_path} (its shard counts)",
                                  sum(int(s.get("count", 0)) for s in shards))
         if not len(index):
             return
@@ -383,6 +397,36 @@ class WdsReader(Reader):
     def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
         return read_shard(path, extras, where)
 
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """One range per sample from the shard index, read whole through ``source`` and checked as a local
+        reader checks it (:meth:`check_rows`); see :mod:`packer.formats.wds_layout`. Shards packer did not
+        write have no index: :class:`UsageError`."""
+        listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)}
+        if INDEX not in listed or not manifest.get("shards"):
+            raise UsageError(f"{where}: shards without packer's index ({INDEX}) cannot be read a block at a time; "
+                             "pack them first (`packer pack SHARDS DEST --format wds`)")
+        rows = read_index(source, INDEX, int(manifest["count"]), where)
+        root = where.rstrip("/")
+        reader = cls(root, manifest)  # the manifest's reader, for its checks: it opens no file
+        reader.check_rows(rows, f"{root}/{INDEX}", f"{root}/manifest.json")
+        shards = [s["path"] for s in manifest["shards"]]
+        return shard_layout(rows, INDEX, shards, [source.size(p) for p in shards], reader._has_crc,
+                            bool(reader.extra_fields), where)
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        return ranged_sample(index, data, layout, where)
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        return ranged_extras(index, data, layout, extras, where)
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        return ranged_fields_checksum(index, data, layout)
+
     def __len__(self) -> int:
         self.validate()
         return self._count
@@ -435,55 +479,32 @@ class WdsReader(Reader):
         shard, a, size, _, _, label, crc, shape = self.index[index].item()
         if shard >= len(self.shard_paths):
             raise CorruptDataError(f"{self.describe(index)}: index names a missing shard; re-pack")
-        m = self._map(shard)
-        if a + size > len(m):
-            raise CorruptDataError(f"{self.shard_paths[shard]} sample {index}: shard is truncated; "
-                                   "run `packer verify` and re-pack")
-        return Sample(memoryview(m)[a:a + size], label, tuple(shape.tolist()), crc if self._has_crc else None)
+        return payload_sample(self._map(shard), a, size, label, crc if self._has_crc else None,
+                              tuple(shape.tolist()), self.shard_paths[shard], index)
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         """The members after the json member, in order: each header names the field it should be (shards packer
         did not write: the members their scan found)."""
         row = self.index[index]
-        if self.foreign is not None:
-            m = memoryview(self._map(int(row["shard"])))
-            where = f"{self.shard_paths[int(row['shard'])]} sample {index}"
-            return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
-                         for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
         shard = int(row["shard"])
         m = memoryview(self._map(shard))
-        at = -(-(int(row["json_offset"]) + int(row["json_size"])) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        values = []
-        for field in self.extra_fields:
-            where = f"{self.shard_paths[shard]} sample {index}"
-            header = member_header(bytes(m[at:at + tarfile.BLOCKSIZE]))
-            start = at + tarfile.BLOCKSIZE
-            suffix = "" if header is None else header[0].partition(".")[2]
-            if (header is None or not (suffix == field.name or suffix.startswith(field.name + "."))
-                    or start + header[1] > len(m)):
-                raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
-                                       "run `packer verify` and re-pack")
-            values.append(stored_bytes(field, m[start:start + header[1]], where))
-            at = start + -(-header[1] // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        return tuple(values)
+        where = f"{self.shard_paths[shard]} sample {index}"
+        if self.foreign is not None:
+            return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
+                         for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
+        return field_members(m, after_json(int(row["json_offset"]), int(row["json_size"])), self.extra_fields,
+                             where)
 
     def fields_checksum(self, index: int) -> int | None:
         if self.foreign is not None:
             return None  # other tools record none
-        crc = self._info(index).get("fields_crc32")
-        return crc if isinstance(crc, int) else None
+        return fields_checksum_of(self._info(index))
 
     def _info(self, index: int) -> dict:
         """Packer's json member of sample ``index``."""
         row = self.index[index]
         a, size = int(row["json_offset"]), int(row["json_size"])
-        try:
-            info = json.loads(bytes(self._map(int(row["shard"]))[a:a + size]))
-            if isinstance(info, dict):
-                return info
-        except ValueError:
-            pass
-        raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+        return packer_info(self._map(int(row["shard"]))[a:a + size], self.describe(index))
 
     def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels

@@ -1,11 +1,14 @@
 """The members of a WebDataset sample as packer writes them: their names and bytes, so that the ``webdataset``
 library decodes each by its extension, the index row that locates them (see :mod:`packer.formats.wds`), the one
-rule that groups a shard's members into samples (:func:`sample_key`, for shards of any writer), and the reading
-of a packed shard's samples from start to end (:func:`read_shard`, for ``packer.stream``)."""
+rule that groups a shard's members into samples (:func:`sample_key`, for shards of any writer), the parsing of a
+sample's members from a shard's bytes or a range of them (:func:`payload_sample`, :func:`field_members`,
+:func:`packer_info`: the local reader's and the ranged hooks'), and the reading of a packed shard's samples from
+start to end (:func:`read_shard`, for ``packer.stream``)."""
 
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,7 +19,7 @@ from PIL import Image
 from ..errors import CorruptDataError, PackerError
 from ..fields import NUMERIC, Field
 from ..transforms import EXTENSION_BY_FORMAT
-from .base import StreamSample
+from .base import Sample, StreamSample
 
 # a row of wds_index.npy (and of the index built of shards other tools wrote): where a sample's members are
 INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("json_offset", "<u8"),
@@ -113,6 +116,56 @@ def member_header(block: bytes) -> tuple[str, int] | None:
     except tarfile.TarError:
         return None
     return info.name, info.size
+def payload_sample(shard: memoryview, at: int, size: int, label: int, crc32: int | None, shape: tuple,
+                   where: object, index: int) -> Sample:
+    """Sample ``index`` whose payload is ``size`` bytes at ``at`` of ``shard`` (a shard's bytes, or a range of
+    them); :class:`CorruptDataError` naming ``where`` (the shard) when they end early."""
+    if at + size > len(shard):
+        raise CorruptDataError(f"{where} sample {index}: shard is truncated; run `packer verify` and re-pack")
+    return Sample(memoryview(shard)[at:at + size], label, shape, crc32)
+
+
+def packer_info(member: bytes | memoryview, where: object) -> dict:
+    """Packer's json member of a sample (``relpath``, ``label``, ``fields_crc32``...), parsed; ``where`` names the
+    sample in the error when it is not a JSON object."""
+    try:
+        info = json.loads(bytes(member))
+        if isinstance(info, dict):
+            return info
+    except ValueError:
+        pass
+    raise CorruptDataError(f"{where}: damaged json member; re-pack")
+
+
+def fields_checksum_of(info: dict) -> int | None:
+    """The fields' checksum a sample's json member records (None: none recorded)."""
+    crc = info.get("fields_crc32")
+    return crc if isinstance(crc, int) else None
+
+
+def after_json(json_offset: int, json_size: int) -> int:
+    """Where the member after a sample's json member begins: the json's data rounded up to whole tar blocks."""
+    return -(-(json_offset + json_size) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def field_members(shard: memoryview, at: int, fields: Sequence[Field], where: str) -> tuple[memoryview | bytes, ...]:
+    """The stored bytes of ``fields``, one member each from the header at ``at`` of ``shard`` (a shard's bytes,
+    or a range of them), in order: each header must name its field (``KEY.NAME.EXT`` or ``KEY.EXT``)."""
+    values = []
+    block = tarfile.BLOCKSIZE
+    for field in fields:
+        header = member_header(bytes(shard[at:at + block])) if at + block <= len(shard) else None
+        start = at + block
+        suffix = "" if header is None else header[0].partition(".")[2]
+        if (header is None or not (suffix == field.name or suffix.startswith(field.name + "."))
+                or start + header[1] > len(shard)):
+            raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
+                                   "run `packer verify` and re-pack")
+        values.append(stored_bytes(field, shard[start:start + header[1]], where))
+        at = start + -(-header[1] // block) * block
+    return tuple(values)
+
+
 def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
     """The samples of a shard packer wrote, read from start to end (``tar`` order): members grouped by
     :func:`sample_key`; ``extras``' bytes are their members' (:func:`field_member`). ``where`` names the shard in
