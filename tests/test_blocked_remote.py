@@ -217,8 +217,8 @@ def test_damaged_bytes_are_one_line_naming_the_url_and_file(fmt, packs, tmp_path
         layout, index = ds.reader.layout, 77
         path = tmp_path / "served" / fmt / layout.files[int(layout.file[index])]
         data = bytearray(path.read_bytes())
-        middle = (int(layout.start[index]) + int(layout.end[index])) // 2
-        data[middle] ^= 0xFF
+        for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):
+            data[at] ^= 0xFF  # in its range: the payload's first bytes, and wherever its middle lies
         path.write_bytes(bytes(data))  # the manifest's sha256 no longer holds: ranges are checked by crc32
         with pytest.raises(CorruptDataError) as error:
             ds[index]
