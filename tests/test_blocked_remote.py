@@ -18,8 +18,10 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import noise_folder
@@ -28,9 +30,11 @@ from remote_support import S3Server, serve_files
 
 import packer
 from packer.errors import CorruptDataError, RemoteError
+from packer.fetchahead import block_plan
 from packer.formats import Reader, get_format
 from packer.formats.layout import LocalSource
 from packer.remote.cache import Cache
+from packer.remote.fetch import STATS
 from packer.remote.ranges import RemoteBlocks, RemoteSource, range_name
 from packer.remote.url import parse_url
 from packer.sampler import ResumableSampler
@@ -351,3 +355,39 @@ def test_torchrun_two_ranks_read_every_sample_once_an_epoch(packs, server, truth
         counts = collections.Counter(d for d, _ in pairs)
         assert set(counts) == set(truth[fmt]) and len(pairs) - COUNT <= 1  # padding: at most one repeat
     assert max(r["most"] for r in ranks) <= limit + 2 * max(r["block"] for r in ranks)  # one worker a rank
+
+
+def fetch_ahead_threads() -> list[threading.Thread]:
+    """The fetch-ahead threads still alive after a short wait (they look at the batches every 10 ms)."""
+    for _ in range(100):
+        found = [t for t in threading.enumerate() if t.name == "packer-fetch-ahead"]
+        if not found:
+            return []
+        time.sleep(0.02)
+    return found
+
+
+def test_block_plan_orders_blocks_by_first_read_with_their_last_batch():
+    order, last = block_plan(np.array([0, 0, 1, 0, 2, 2, 1]), 2)  # batches 0 0 1 1 2 2 3
+    assert order.tolist() == [0, 1, 2] and last.tolist() == [1, 3, 2]
+
+
+def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(packs, server, truth, tmp_path):
+    fmt = next((f for f in FORMATS if ranged(f)), None)
+    if fmt is None:
+        pytest.skip("no format has byte-range hooks yet")
+    ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
+    before = STATS["requests"]
+    assert sorted(seen(loader, truth[fmt])) == list(range(COUNT))
+    assert STATS["requests"] > before  # blocks fetched ahead by this process (its workers fetch what is not)
+    assert fetch_ahead_threads() == []  # the pass ended: so did its thread, releasing its pins
+    iterator = iter(loader)
+    next(iterator)
+    assert [t.name for t in threading.enumerate()].count("packer-fetch-ahead") == 1
+    del iterator  # a loop that breaks out: the thread ends too
+    assert fetch_ahead_threads() == []
+    quiet = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, fetch_ahead=0)
+    before = STATS["requests"]
+    assert sorted(seen(quiet, truth[fmt])) == list(range(COUNT))
+    assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves
