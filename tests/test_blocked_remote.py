@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -181,6 +182,27 @@ def test_blocks_are_evicted_lru_within_the_limit_and_never_while_pinned(packs, s
     assert third is not None and cache.used() <= 10_000
     assert not cache.object_path(range_name(entry["sha256"], 0, 4000, entry["bytes"])).exists()
     assert cache.object_path(range_name(entry["sha256"], 4000, 8000, entry["bytes"])).exists()
+
+
+def test_a_child_forked_while_a_block_is_held_does_not_keep_it(packs, server, tmp_path):
+    """A DataLoader worker forked while the loader's thread holds blocks (or a cache lock) must not keep them:
+    a persistent worker would keep them from being evicted (or every process waiting for the lock)."""
+    manifest = packer.read_manifest(packs / "lmdb")
+    entry = max(manifest["files"], key=lambda e: e["bytes"])
+    store = RemoteBlocks(parse_url(f"{server.url}/lmdb"), manifest, None, tmp_path / "cache", 10_000)
+    release = store.hold(entry["path"], 0, 4000)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    try:
+        release()
+        for k in (1, 2):  # 12,000 bytes in all: the first block must go, though the child was forked holding it
+            done = store.hold(entry["path"], k * 4000, (k + 1) * 4000, wait=False)
+            assert done is not None
+            done()
+        assert not Cache(tmp_path / "cache").object_path(range_name(entry["sha256"], 0, 4000, entry["bytes"])).exists()
+    finally:
+        child.terminate()
+        child.join()
 
 
 def test_a_short_range_is_refused_in_one_line(packs, tmp_path):

@@ -43,14 +43,15 @@ def range_name(sha256: str, start: int, end: int, size: int) -> str:
 def fetch_range(cache: Cache, remote: RemoteUrl, entry: dict, start: int, end: int,
                 storage_options: dict | None) -> Pin:
     """A pin on the cached copy of bytes ``[start, end)`` of the data file ``entry`` (a manifest ``files``
-    entry): fetched by one ranged GET when it is not cached, its length checked (the whole file: its sha256)."""
+    entry): fetched by one ranged GET when it is not cached, its length checked (the whole file: its sha256).
+    A child forked while it is held does not share the pin."""
     size = int(entry["bytes"])
     url = remote.join(entry["path"])
     if not 0 <= start < end <= size:
         raise RemoteError(f"{url}: bytes [{start}, {end}) lie outside its {size:,} bytes; the dataset's layout is "
                           "damaged: delete the cache folder's layout-*.npz and retry")
     if start == 0 and end == size:
-        return fetch_file(cache, remote, entry, storage_options)
+        return fetch_file(cache, remote, entry, storage_options, inherited=False)
 
     def fetch(target: Path) -> None:
         fs = filesystem(remote.protocol, storage_options)
@@ -66,7 +67,7 @@ def fetch_range(cache: Cache, remote: RemoteUrl, entry: dict, start: int, end: i
             f.write(data)
             f.truncate(len(data))
 
-    return cache.obtain(range_name(entry["sha256"], start, end, size), end - start, fetch)
+    return cache.obtain(range_name(entry["sha256"], start, end, size), end - start, fetch, inherited=False)
 
 
 class RemoteSource:

@@ -73,14 +73,16 @@ def _write_manifest(view: Path, text: bytes) -> None:
     os.replace(tmp, view / MANIFEST)
 
 
-def fetch_file(cache: Cache, remote: RemoteUrl, entry: dict, storage_options: dict | None) -> Pin:
-    """A pin on the cached, checked copy of the data file ``entry`` (a manifest ``files`` entry)."""
+def fetch_file(cache: Cache, remote: RemoteUrl, entry: dict, storage_options: dict | None,
+               inherited: bool = True) -> Pin:
+    """A pin on the cached, checked copy of the data file ``entry`` (a manifest ``files`` entry); ``inherited``:
+    whether a forked child shares it."""
     url = remote.join(entry["path"])
 
     def fetch(target: Path) -> None:
         download(filesystem(remote.protocol, storage_options), url, target, entry["bytes"], entry["sha256"])
 
-    return cache.obtain(entry["sha256"], entry["bytes"], fetch)
+    return cache.obtain(entry["sha256"], entry["bytes"], fetch, inherited)
 
 
 def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
