@@ -40,6 +40,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -154,7 +155,8 @@ def adapter_run(tool: str, python: str, argv: list[str], args: argparse.Namespac
 
 
 class CacheWatch:
-    """The largest total size of the files under ``folder``, sampled every 0.2 s in a background thread."""
+    """The largest total size of the files under ``folder`` (each inode once), sampled every 0.2 s in a
+    background thread."""
 
     def __init__(self, folder: Path):
         self.folder, self.peak = folder, 0
@@ -163,14 +165,15 @@ class CacheWatch:
         self._thread.start()
 
     def _size(self) -> int:
-        total = 0
+        sizes: dict[tuple[int, int], int] = {}  # by inode: a hard link is not a second copy
         for dirpath, _, names in os.walk(self.folder):
             for name in names:
                 try:
-                    total += os.stat(os.path.join(dirpath, name)).st_size
+                    st = os.stat(os.path.join(dirpath, name))
                 except OSError:
-                    pass
-        return total
+                    continue
+                sizes[(st.st_dev, st.st_ino)] = st.st_size
+        return sum(sizes.values())
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
@@ -274,21 +277,22 @@ def table(results: dict[str, Any]) -> str:
              f"{' '.join(f'{v:.2f}' for v in m.get('load_end', []))}."
              + ("" if results.get("publishable") else " **Not publishable: the load exceeded the core count.**"),
              "", f"Command: `{results['command']}`", "",
-             "| tool | read from | cache limit | peak cache | epoch 1 img/s | epoch 2 img/s | × packer local warm "
-             "| GETs | shuffle mixing (0 best) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tool | read from | cache limit | peak cache | samples/epoch | epoch 1 img/s | epoch 2 img/s "
+             "| × packer local warm | GETs | shuffle mixing (0 best) |", "|---|---|" + "---:|" * 8]
     local = results.get("local_sps")
     for row in results["rows"]:
         if "error" in row:
-            lines.append(f"| {row['row']} | {row.get('url', '')} | {_mb(row.get('cache_limit'))} | | failed: "
+            lines.append(f"| {row['row']} | {row.get('url', '')} | {_mb(row.get('cache_limit'))} | | | failed: "
                          f"{row['error']} | | | | |")
             continue
         ratio = f"{row['epoch2_sps'] / local:.2f}" if local and "://" in row["url"] else ""
         limit = _mb(row["cache_limit"]) if row["cache_limit"] else "none"
         lines.append(f"| {row['row']} | {'URL' if '://' in row['url'] else 'local files, warm'} | {limit} | "
-                     f"{_mb(row['peak_cache']) if '://' in row['url'] else ''} | {_sps(row, 'epoch1_sps')} | "
+                     f"{_mb(row['peak_cache']) if '://' in row['url'] else ''} | {row['epoch1_samples']:.0f} | "
+                     f"{_sps(row, 'epoch1_sps')} | "
                      f"{_sps(row, 'epoch2_sps')} | {ratio} | {row['gets']:.0f} | {row['mixing']:.3f} |")
     for row in results.get("reference", []):
-        lines.append(f"| {row['order']} | | | | | | | | {row['mixing']:.3f} |")
+        lines.append(f"| {row['order']} | | | | | | | | | {row['mixing']:.3f} |")
     lines += ["", "Epoch 1 is a fresh process with an empty cache (start-up included), epoch 2 the same process's "
               "next epoch; × packer local warm is epoch 2 over packer's epoch 2 from local files in the page "
               "cache. GETs: requests that reached the proxy in the row's two epochs."]
@@ -303,6 +307,11 @@ def reference_orders(labels_sorted: list[int], batch_size: int) -> list[dict[str
     return [{"order": "(stored class order)", "mixing": batch_mixing(labels_sorted, batch_size)},
             {"order": "(a full permutation, packer shuffle=True)",
              "mixing": batch_mixing(sampler_labels(labels_sorted, batch_size, True, 0), batch_size)}]
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that reproduces this run, from the repository root."""
+    return shlex.join(["python", "benchmarks/peers/remote_peers.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 # -- the run --------------------------------------------------------------------------------------------------
@@ -364,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     load = run_peers.LoadWatch(args.settle)
     results: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": run_peers.command_line(argv), "machine": {**run_peers.machine(), "load_start": list(load.start)},
+        "command": command_line(argv), "machine": {**run_peers.machine(), "load_start": list(load.start)},
         "src": str(args.src), "images": len(image_files(args.src)), "latency_ms": args.latency_ms,
         "cache_fraction": args.cache_fraction, "blocks": args.blocks, "batch_size": args.batch_size,
         "workers": args.workers, "epochs": args.epochs, "repeats": args.repeats, "smoke": args.smoke, "rows": []}
     copies = prepare(args, sys.stderr)
     s3 = S3Server(buckets=())
     proxy = fault_proxy(s3.url, latency=args.latency_ms / 1000)
+    proxy.server.handle_error = lambda request, address: None  # a reader closing a connection is not news
     try:
         upload(s3, copies)
         env = {**S3Server.ENV, "AWS_ENDPOINT_URL": proxy.url, "S3_ENDPOINT_URL": proxy.url}
