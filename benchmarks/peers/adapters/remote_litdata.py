@@ -5,7 +5,9 @@ torchvision's RandomResizedCrop + flip on LitData's decoded tensor (``lit_data.p
 
 LitData's S3 client (boto3) takes its endpoint from ``storage_options={"endpoint_url": ...}``, here
 ``AWS_ENDPOINT_URL`` (the driver sets it to the latency proxy), and its credentials from the usual ``AWS_*``
-variables. Given a local folder, it reads the chunks in place.
+variables. LitData fetches chunks with obstore, which needs ``allow_http`` for the local server's http://
+endpoint: the adapter sets it in LitData's client options (a private dict; real S3 is https and needs nothing).
+Given a local folder, it reads the chunks in place.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def make_loader(url: str, cache_dir: Path, cache_limit: int, batch_size: int, wo
 
     options = {}
     if "://" in url:
+        from litdata.streaming import downloader
+
+        # LitData GETs chunks with obstore, which refuses an http:// endpoint (reqwest "BadScheme") unless told
+        # allow_http; the local server speaks http. Set before the workers fork, so they inherit it.
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
         options = {"cache_dir": str(cache_dir), "max_cache_size": cache_limit or "100GB",
                    "storage_options": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}}
     ds = litdata.StreamingDataset(url, shuffle=True, seed=0, transform=_Train(), **options)
