@@ -217,7 +217,8 @@ def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argpars
 
     tool = copy["tool"]
     python = copy.get("python", sys.executable)
-    row: dict[str, Any] = {"row": name, "tool": tool, "url": url, "cache_limit": limit, "bytes": copy["bytes"]}
+    row: dict[str, Any] = {"row": name, "tool": tool, "format": copy["format"], "url": url, "cache_limit": limit,
+                           "bytes": copy["bytes"]}
     runs = []
     for repeat in range(args.repeats):
         print(f"[{name}] read {repeat + 1}/{args.repeats} from {url}", file=sys.stderr, flush=True)
@@ -279,13 +280,14 @@ def table(results: dict[str, Any]) -> str:
              "", f"Command: `{results['command']}`", "",
              "| tool | read from | cache limit | peak cache | samples/epoch | epoch 1 img/s | epoch 2 img/s "
              "| × packer local warm | GETs | shuffle mixing (0 best) |", "|---|---|" + "---:|" * 8]
-    local = results.get("local_sps")
+    local = results.get("local_sps", {})
     for row in results["rows"]:
         if "error" in row:
             lines.append(f"| {row['row']} | {row.get('url', '')} | {_mb(row.get('cache_limit'))} | | | failed: "
                          f"{row['error']} | | | | |")
             continue
-        ratio = f"{row['epoch2_sps'] / local:.2f}" if local and "://" in row["url"] else ""
+        base = local.get(row.get("format") if row["tool"] == "packer" else results.get("first_format"))
+        ratio = f"{row['epoch2_sps'] / base:.2f}" if base and "://" in row["url"] else ""
         limit = _mb(row["cache_limit"]) if row["cache_limit"] else "none"
         lines.append(f"| {row['row']} | {'URL' if '://' in row['url'] else 'local files, warm'} | {limit} | "
                      f"{_mb(row['peak_cache']) if '://' in row['url'] else ''} | {row['epoch1_samples']:.0f} | "
@@ -294,8 +296,10 @@ def table(results: dict[str, Any]) -> str:
     for row in results.get("reference", []):
         lines.append(f"| {row['order']} | | | | | | | | | {row['mixing']:.3f} |")
     lines += ["", "Epoch 1 is a fresh process with an empty cache (start-up included), epoch 2 the same process's "
-              "next epoch; × packer local warm is epoch 2 over packer's epoch 2 from local files in the page "
-              "cache. GETs: requests that reached the proxy in the row's two epochs."]
+              "next epoch (opening the dataset, which fetches its index, is not timed); × packer local warm is "
+              "epoch 2 over packer's epoch 2 of the same format from local files in the page cache (for the "
+              f"peers: packer {results.get('first_format')}'s). GETs: requests that reached the proxy in the "
+              "row's epochs. Peak cache: the largest size of the row's cache folder, sampled every 0.2 s."]
     return "\n".join(lines)
 
 
@@ -325,7 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="a quick check that every row runs: 300 images, 1 repeat, no settling (not publishable)")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
-    p.add_argument("--packer-formats", default="wds", help="packer formats to read (default wds; also lmdb, hdf5)")
+    p.add_argument("--packer-formats", default="wds,lmdb,hdf5",
+                   help="packer formats to read, each from the URL and locally (default wds,lmdb,hdf5); the first "
+                        "one's images are the peers' and its local row their reference")
     p.add_argument("--latency-ms", type=float, default=20.0, help="added to every request (default 20)")
     p.add_argument("--cache-fraction", type=float, default=1 / 8,
                    help="each tool's cache limit as a fraction of its copy's bytes (default 0.125)")
@@ -386,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {**S3Server.ENV, "AWS_ENDPOINT_URL": proxy.url, "S3_ENDPOINT_URL": proxy.url}
         first = copies[f"packer {args.packer_formats[0]}"]
         block = max(1, first["bytes"] // args.blocks)
-        rows = [("packer local", first, str(first["path"]), 0)]
+        results["first_format"] = args.packer_formats[0]
+        rows = [(f"{name} local", copy, str(copy["path"]), 0) for name, copy in copies.items()
+                if copy["tool"] == "packer"]
         rows += [(name, copy, copy.get("url", ""), int(copy.get("bytes", 0) * args.cache_fraction))
                  for name, copy in copies.items() if copy["tool"] in args.tools]
         for name, copy, url, limit in rows:
@@ -396,9 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(name, copy, url, limit, args, env, proxy if "://" in url else None,
                           block if copy["tool"] == "packer" else 0)
             results["rows"].append(row)
-            if name == "packer local" and "error" not in row:
-                results["local_sps"] = row["epoch2_sps"]
-                results["reference"] = reference_orders(row["labels_sorted"], args.batch_size)
+            if name.endswith(" local") and "error" not in row:
+                results.setdefault("local_sps", {})[copy["format"]] = row["epoch2_sps"]
+                if "reference" not in results:
+                    results["reference"] = reference_orders(row["labels_sorted"], args.batch_size)
             results["seconds"] = time.perf_counter() - started
             (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     finally:
