@@ -189,8 +189,9 @@ def read_once(tool: str, python: str, url: str, limit: int, args: argparse.Names
               proxy: Any, block: int) -> dict[str, Any]:
     """One fresh process reading ``url`` for ``--epochs`` epochs with an empty cache: its timings, labels, peak
     cache bytes and the GETs that reached the proxy."""
-    cache = args.out / "work" / "cache" / tool
-    shutil.rmtree(cache, ignore_errors=True)
+    # a new folder every read: Streaming keys its shared memory on the local folder, and a second process on
+    # the same (emptied) folder found its predecessor's state and read shards that were no longer there
+    cache = args.out / "work" / "cache" / f"{tool}-{time.time_ns()}"
     cache.mkdir(parents=True)
     result = args.out / "work" / f"read-{tool}.json"
     result.unlink(missing_ok=True)
@@ -325,9 +326,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", nargs="?", type=Path, help="ImageFolder-layout folder (default: a sample folder of "
                                                      "--images images, made once under bench-out/)")
-    p.add_argument("--images", type=int, default=3000, help="images of the sample folder (default 3000)")
+    p.add_argument("--images", type=int, help="images of the sample folder (default 3000; 300 with --smoke)")
     p.add_argument("--smoke", action="store_true",
-                   help="a quick check that every row runs: 300 images, 1 repeat, no settling (not publishable)")
+                   help="a quick check that every row runs: 300 images, 1 repeat, no settling (not publishable); "
+                        "--images, --repeats and --settle still apply")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
     p.add_argument("--packer-formats", default="wds,lmdb,hdf5",
                    help="packer formats to read, each from the URL and locally (default wds,lmdb,hdf5); the first "
@@ -339,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2, help="epochs per read (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="reads per row; medians are reported (default 3)")
+    p.add_argument("--repeats", type=int, help="reads per row; medians are reported (default 3; 1 with --smoke)")
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "remote", help="results folder")
     p.add_argument("--venvs", type=Path, default=REPO / "bench-out" / "peer-venvs", help="where peer venvs live")
     p.add_argument("--timeout", type=float, default=900, help="seconds one read (or one peer's packing) may take")
@@ -347,10 +349,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds to wait at the start and the end for the load to fall to the core count "
                         "(default 120; 0 with --smoke)")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.images, args.repeats = 300, 1
-    if args.settle is None:
-        args.settle = 0 if args.smoke else 120
+    smoke = {"images": 300, "repeats": 1, "settle": 0} if args.smoke else {"images": 3000, "repeats": 3, "settle": 120}
+    for key, value in smoke.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.tools = [t for t in args.tools.split(",") if t]
     unknown = [t for t in args.tools if t not in TOOLS]
     if unknown or not args.tools:
