@@ -60,6 +60,7 @@ from remote_support import S3Server, fault_proxy  # noqa: E402 - the tests' serv
 
 # tool -> (the peer whose venv it runs in, its adapter)
 TOOLS = {"packer": ("packer", "remote_packer.py"), "streaming": ("streaming", "remote_streaming.py"),
+         "streaming-tuned": ("streaming", "remote_streaming.py"),
          "litdata": ("litdata", "remote_litdata.py")}
 BUCKET = "bench"
 CLASSES = 5
@@ -100,24 +101,32 @@ def prepare(args: argparse.Namespace, log: Any) -> dict[str, dict[str, Any]]:
     images = work / "images-256"
     shutil.rmtree(images, ignore_errors=True)
     packer.export(first["path"], images, progress=False)  # the same JPEG bytes for every peer
+    packed: dict[str, dict[str, Any]] = {}  # by peer: streaming-tuned reads streaming's copy
     for tool in args.tools:
         if tool == "packer":
             continue
-        peer = run_peers.PEERS[TOOLS[tool][0]]
-        dest = work / tool
-        shutil.rmtree(dest, ignore_errors=True)
-        print(f"installing (if needed) and packing {tool}", file=log, flush=True)
-        try:
-            python, _ = run_peers.ensure_venv(peer, args.venvs, args.logs / f"{tool}.log", False, False)
-            code = adapter_run(tool, python, ["pack", "--src", str(images), "--dest", str(dest), "--block-bytes",
-                                              str(block)], args, env={})
-            if code != 0:
-                raise run_peers.SkipPeer(f"packing exited with {code}: see {args.logs / (tool + '.log')}")
-        except run_peers.SkipPeer as exc:
-            copies[tool] = {"tool": tool, "error": str(exc).splitlines()[0]}
-            continue
-        copies[tool] = {"tool": tool, "format": tool, "path": dest, "bytes": data_bytes(dest), "python": python}
+        name = TOOLS[tool][0]
+        if name not in packed:
+            packed[name] = pack_peer(tool, name, images, work / name, block, args, log)
+        copies[tool] = {**packed[name], "tool": tool}
     return copies
+
+
+def pack_peer(tool: str, name: str, images: Path, dest: Path, block: int, args: argparse.Namespace,
+              log: Any) -> dict[str, Any]:
+    """Install the peer ``name`` if needed and pack ``images`` with it into ``dest``: the copy, or its error."""
+    shutil.rmtree(dest, ignore_errors=True)
+    print(f"installing (if needed) and packing {name}", file=log, flush=True)
+    try:
+        python, _ = run_peers.ensure_venv(run_peers.PEERS[name], args.venvs, args.logs / f"{tool}.log", False,
+                                          False)
+        code = adapter_run(tool, python, ["pack", "--src", str(images), "--dest", str(dest), "--block-bytes",
+                                          str(block)], args, env={})
+        if code != 0:
+            raise run_peers.SkipPeer(f"packing exited with {code}: see {args.logs / (tool + '.log')}")
+    except run_peers.SkipPeer as exc:
+        return {"error": str(exc).splitlines()[0]}
+    return {"format": name, "path": dest, "bytes": data_bytes(dest), "python": python}
 
 
 def image_files(root: Path) -> list[Path]:
@@ -314,6 +323,16 @@ def reference_orders(labels_sorted: list[int], batch_size: int) -> list[dict[str
              "mixing": batch_mixing(sampler_labels(labels_sorted, batch_size, True, 0), batch_size)}]
 
 
+def tool_env(tool: str, images: int, args: argparse.Namespace) -> dict[str, str]:
+    """What a row's adapter is told beside the endpoint: streaming-tuned's ``predownload``, the samples a
+    worker fetches ahead, sized so that both workers' together fill about half the cache (Streaming's default,
+    8 batches a worker, is more than a 1/8 cache holds), never under a batch."""
+    if tool != "streaming-tuned":
+        return {}
+    fits = images * args.cache_fraction / (2 * max(1, args.workers))
+    return {"REMOTE_STREAMING_PREDOWNLOAD": str(max(args.batch_size, int(fits)))}
+
+
 def command_line(argv: list[str] | None) -> str:
     """The command that reproduces this run, from the repository root."""
     return shlex.join(["python", "benchmarks/peers/remote_peers.py", *(sys.argv[1:] if argv is None else argv)])
@@ -403,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in copy:
                 results["rows"].append({"row": name, "tool": copy["tool"], "error": copy["error"]})
                 continue
-            row = measure(name, copy, url, limit, args, env, proxy if "://" in url else None,
-                          block if copy["tool"] == "packer" else 0)
+            row = measure(name, copy, url, limit, args, {**env, **tool_env(copy["tool"], results["images"], args)},
+                          proxy if "://" in url else None, block if copy["tool"] == "packer" else 0)
             results["rows"].append(row)
             if name.endswith(" local") and "error" not in row:
                 results.setdefault("local_sps", {})[copy["format"]] = row["epoch2_sps"]

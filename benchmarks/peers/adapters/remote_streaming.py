@@ -4,11 +4,13 @@
 
 Streaming's S3 client takes its endpoint from ``S3_ENDPOINT_URL`` (the driver sets it to the latency proxy) and
 its credentials from the usual ``AWS_*`` variables. Stale shared memory from an earlier crashed run is cleaned
-first, as Streaming advises. Given a local folder, it reads the shards in place (``remote=None``).
+first, as Streaming advises. Given a local folder, it reads the shards in place (``remote=None``). The
+``streaming-tuned`` row sets ``predownload`` from ``REMOTE_STREAMING_PREDOWNLOAD`` (see ``remote_peers.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +38,9 @@ def make_loader(url: str, cache_dir: Path, cache_limit: int, batch_size: int, wo
 
     clean_stale_shared_memory()
     remote, local = (url, str(cache_dir)) if "://" in url else (None, url)
+    predownload = os.environ.get("REMOTE_STREAMING_PREDOWNLOAD")  # the streaming-tuned row's; else the default
     ds = _dataset_class()(remote=remote, local=local, cache_limit=cache_limit or None, shuffle=True,
+                          predownload=int(predownload) if predownload else None,
                           shuffle_algo="py1e", shuffle_seed=0, batch_size=batch_size,
                           image_transform=pipeline_transform(Variant("remote", "mds", pipeline="train")))
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
