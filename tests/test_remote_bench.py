@@ -4,6 +4,7 @@ every row with its samples, cache and shuffle quality. No timing is asserted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,11 +13,37 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.remote]
-
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peers" / "remote_peers.py"
 
 
+def load_script():
+    spec = importlib.util.spec_from_file_location("remote_peers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_row_with_failed_reads_says_how_many_and_why_beside_the_medians_of_the_others():
+    script = load_script()
+    row = {"row": "streaming", "tool": "streaming", "format": "streaming", "url": "s3://b/s", "cache_limit": 2**20,
+           "peak_cache": 2**20, "epoch1_samples": 300, "epoch1_sps": 20.0, "epoch1_sps_min": 18.0,
+           "epoch1_sps_max": 22.0, "epoch2_sps": 50.0, "epoch2_sps_min": 40.0, "epoch2_sps_max": 60.0, "gets": 500,
+           "mixing": 0.07, "runs": [{}, {}], "repeats": 3, "failures": ["ValueError: in a worker"]}
+    refused = {"row": "packer wds", "tool": "packer", "url": "s3://b/p", "cache_limit": 2**20,
+               "error": "RemoteError: over cache_limit"}
+    results = {"cache_fraction": 0.125, "images": 300, "latency_ms": 20, "batch_size": 64, "workers": 2,
+               "repeats": 3, "date": "today", "command": "python remote_peers.py", "publishable": False,
+               "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 8, "load_start": [3, 2, 1], "load_end": [3, 2, 1]},
+               "first_format": "wds", "local_sps": {"wds": 100.0}, "rows": [row, refused], "reference": []}
+    text = script.table(results)
+    assert "| streaming (1 of 3 reads failed: ValueError: in a worker) | URL | 1.0 MB | 1.0 MB | 300 | 20 [18-22] | " \
+           "50 [40-60] | 0.50 | 500 | 0.070 |" in text
+    assert "| packer wds | s3://b/p | 1.0 MB | | | failed: RemoteError: over cache_limit |" in text
+    assert "Not publishable" in text
+
+
+@pytest.mark.slow
+@pytest.mark.remote
 def test_packer_rows_read_the_url_through_the_proxy_and_report_shuffle_quality(sample_data, tmp_path):
     out = tmp_path / "remote"
     cmd = [sys.executable, str(SCRIPT), str(sample_data), "--tools", "packer", "--packer-formats", "wds",

@@ -222,14 +222,17 @@ def read_once(tool: str, python: str, url: str, limit: int, args: argparse.Names
 
 def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argparse.Namespace,
             env: dict[str, str], proxy: Any, block: int) -> dict[str, Any]:
-    """``--repeats`` reads of one row; medians (images/s also min and max), the largest cache seen."""
+    """``--repeats`` reads of one row; medians (images/s also min and max), the largest cache seen. A read that
+    fails is counted (``failures``, their messages) and the medians are over the others; a row none of whose
+    reads finished gets ``error``. A timeout ends the row."""
     from packer.bench.shuffle_quality import batch_mixing
 
     tool = copy["tool"]
     python = copy.get("python", sys.executable)
     row: dict[str, Any] = {"row": name, "tool": tool, "format": copy["format"], "url": url, "cache_limit": limit,
                            "bytes": copy["bytes"]}
-    runs = []
+    runs: list[dict[str, Any]] = []
+    failures: list[str] = []
     for repeat in range(args.repeats):
         print(f"[{name}] read {repeat + 1}/{args.repeats} from {url}", file=sys.stderr, flush=True)
         if "://" not in url:
@@ -237,8 +240,10 @@ def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argpars
         try:
             out = read_once(tool, python, url, limit, args, env, proxy, block)
         except RuntimeError as exc:
-            row["error"] = str(exc)
-            return row
+            failures.append(str(exc))
+            if "timeout" in str(exc):
+                break
+            continue
         run = {f"epoch{i}_sps": e["samples_per_s"] for i, e in enumerate(out["epochs"], 1)}
         run.update({f"epoch{i}_samples": e["samples"] for i, e in enumerate(out["epochs"], 1)},
                    first_batch_s=out["epochs"][0]["first_batch_s"], peak_cache=out["peak_cache"],
@@ -246,12 +251,17 @@ def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argpars
         runs.append(run)
         row["versions"] = out.get("versions", {})
         row["labels_sorted"] = sorted(out["labels"][0])  # the stored (class) order, for the reference rows
+    if failures:
+        row["failures"] = failures
+    if not runs:
+        row["error"] = failures[0]
+        return row
     for key in runs[0]:
         values = [r[key] for r in runs]
         row[key] = max(values) if key == "peak_cache" else statistics.median(values)
         if key.endswith("_sps"):
             row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
-    row["runs"] = runs
+    row.update(runs=runs, repeats=len(runs) + len(failures))
     return row
 
 
@@ -299,7 +309,9 @@ def table(results: dict[str, Any]) -> str:
         base = local.get(row.get("format") if row["tool"] == "packer" else results.get("first_format"))
         ratio = f"{row['epoch2_sps'] / base:.2f}" if base and "://" in row["url"] else ""
         limit = _mb(row["cache_limit"]) if row["cache_limit"] else "none"
-        lines.append(f"| {row['row']} | {'URL' if '://' in row['url'] else 'local files, warm'} | {limit} | "
+        failed = row.get("failures", [])
+        name = f"{row['row']} ({len(failed)} of {row['repeats']} reads failed: {failed[0]})" if failed else row["row"]
+        lines.append(f"| {name} | {'URL' if '://' in row['url'] else 'local files, warm'} | {limit} | "
                      f"{_mb(row['peak_cache']) if '://' in row['url'] else ''} | {row['epoch1_samples']:.0f} | "
                      f"{_sps(row, 'epoch1_sps')} | "
                      f"{_sps(row, 'epoch2_sps')} | {ratio} | {row['gets']:.0f} | {row['mixing']:.3f} |")
