@@ -86,6 +86,8 @@ def main(adapter: ModuleType, argv: list[str] | None = None) -> None:
         timings, labels = run_epochs(loader, args.epochs)
     except Exception as exc:  # the driver reports this line as the row's error
         traceback.print_exc()
-        args.result.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}))
+        lines = str(exc).strip().splitlines() or [""]
+        cause = f" ({lines[-1].strip()})" if len(lines) > 1 else ""  # a worker's exception: its last line
+        args.result.write_text(json.dumps({"error": f"{type(exc).__name__}: {lines[0]}{cause}"}))
         sys.exit(1)
     args.result.write_text(json.dumps({"epochs": timings, "labels": labels, "versions": adapter.versions()}))
