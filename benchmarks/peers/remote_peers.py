@@ -11,7 +11,7 @@ every row's epoch-2 images/s is divided by. Each row also scores its order's shu
 perfect) of the labels the loader yielded in epoch 1. Every copy is stored in class order (the hard case for a
 shuffle), in blocks of about 1/``--blocks`` of the dataset (wds shards, MDS shards, LitData chunks).
 
-    python benchmarks/peers/remote_peers.py --smoke                  # 300 images, 1 repeat: about a minute
+    python benchmarks/peers/remote_peers.py --smoke                  # 300 images, 1 repeat: 2-3 minutes
     python benchmarks/peers/remote_peers.py                          # 3,000 images, medians of 3
     python benchmarks/peers/remote_peers.py --tools packer --packer-formats wds,lmdb,hdf5
 
