@@ -41,8 +41,10 @@ P_INVALID = (1 << 64) - 1
 MAX_DEPTH = 32  # mdb.c's CURSOR_STACK: no tree is deeper
 MDB_DB = "IHHQQQQQ"  # pad (the free DB's: page size), flags, depth, branch, leaf, overflow pages, entries, root
 META = struct.Struct("<QHHHH" + "IIQQ" + MDB_DB * 2 + "QQ")  # a meta page's header and MDB_meta
-KEEP_FLAGS = 0x08 | 0x02 | 0x04 | 0x10 | 0x20  # main DB flags packer never sets (INTEGERKEY, REVERSEKEY, DUPSORT...)
-LEVEL_BYTES = 64 << 20  # pages read in one read_many at most: bounds the memory of a walk over inline values
+FOREIGN_DB_FLAGS = 0x7E  # main DB flags packer never sets: REVERSEKEY, DUPSORT, INTEGERKEY, DUPFIXED, INTEGERDUP...
+# pages read in one read_many at most (about 1.2M encoded records' leaves): bounds a walk's memory (the leaves of
+# inline values are the values themselves) to a few hundred MB
+LEVEL_BYTES = 32 << 20
 RUN_PAGES = 256  # adjacent pages read as one range at most
 
 
@@ -109,16 +111,9 @@ def read_meta(source: RangeSource, relpath: str, file_size: int, where: str) -> 
             raise _name(where, "ends inside its second meta page")
     second = Meta(second_page, where)
     current = second if second.valid and second.page_size == size and second.txnid > first.txnid else first
-    if current.db_flags & KEEP_FLAGS:
+    if current.db_flags & FOREIGN_DB_FLAGS:
         raise _name(where, f"the main database has flags {current.db_flags:#x}, not packer's plain keys")
     return current
-
-
-def decimal_keys(first: int, count: int, digits: int) -> np.ndarray:
-    """The keys ``b"%0{digits}d" % i`` for ``i`` in ``first..first+count-1``, as a (count, digits) uint8 array."""
-    numbers = np.arange(first, first + count, dtype=np.int64)[:, None]
-    powers = 10 ** np.arange(digits - 1, -1, -1, dtype=np.int64)
-    return (numbers // powers % 10 + ord("0")).astype(np.uint8)
 
 
 def _u16(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -127,7 +122,21 @@ def _u16(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 def _u64(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
     """The u64s at ``at`` (any alignment), as int64 (a number past 2**63 turns negative: refused as a page)."""
-    return np.ascontiguousarray(buf[at[:, None] + np.arange(8)]).view("<u8")[:, 0].astype(np.int64)
+    value = np.zeros(len(at), np.uint64)
+    for k in range(8):
+        value |= buf[at + k].astype(np.uint64) << np.uint64(8 * k)
+    return value.astype(np.int64)
+
+
+def _decimal(buf: np.ndarray, at: np.ndarray, digits: int) -> np.ndarray:
+    """The ``digits`` ASCII digits at each ``at`` as a number; -1 where one is not a digit."""
+    value = np.zeros(len(at), np.int64)
+    good = np.ones(len(at), bool)
+    for k in range(digits):
+        digit = buf[at + k].astype(np.int64) - ord("0")
+        good &= (digit >= 0) & (digit <= 9)
+        value = value * 10 + digit
+    return np.where(good, value, -1)
 
 
 class _Level:
@@ -229,9 +238,9 @@ def record_ranges(source: RangeSource, relpath: str, count: int, digits: int,
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if meta.root == P_INVALID or not 1 <= meta.depth <= MAX_DEPTH:
         raise _name(where, f"the main database's root ({meta.root}) or depth ({meta.depth}) is not a tree's")
-    pages = np.array([meta.root], dtype=np.int64) if meta.root < file_pages else None
-    if pages is None:
+    if meta.root >= file_pages:
         raise _name(where, f"its root page {meta.root} lies outside the file's {file_pages} pages")
+    pages = np.array([meta.root], dtype=np.int64)
     _check_pages(pages, file_pages, where)
     for _ in range(meta.depth - 1):
         per_read = max(1, LEVEL_BYTES // size)
@@ -254,10 +263,10 @@ def _leaf_ranges(source: RangeSource, relpath: str, pages: np.ndarray, meta: Met
             raise _name(where, f"its leaves hold more than the {count} records its meta page counts")
         level._refuse((level.ksize != digits) | (level.flags & ~F_BIGDATA != 0),
                       "a record that is not packer's (a key of another width, or duplicates)")
-        key_bytes = level.buf[level.node[:, None] + NODESIZE + np.arange(digits)]
-        wrong = np.flatnonzero((key_bytes != decimal_keys(seen, n, digits)).any(axis=1))
+        wrong = np.flatnonzero(_decimal(level.buf, level.node + NODESIZE, digits) != np.arange(seen, seen + n))
         if len(wrong):
-            found = bytes(key_bytes[wrong[0]])[:12]
+            at = int(level.node[wrong[0]]) + NODESIZE
+            found = bytes(level.buf[at:at + digits])[:12]
             raise CorruptDataError(f"{where}: record {seen + int(wrong[0])} has key {found!r}: the records are not "
                                    f"keyed 0..{count - 1} in order; the dataset is damaged, re-pack")
         data_size = level.lo | (level.hi << 16)
