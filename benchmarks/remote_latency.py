@@ -8,6 +8,11 @@ epoch, and the same cached files read as a local dataset, per packed dataset giv
 
 The server is the tests' Range-capable HTTP server on 127.0.0.1 behind their proxy, which sleeps ``--latency-ms``
 before every request.
+
+Its successor for issue 25 is ``benchmarks/peers/remote_peers.py``: a cache smaller than the dataset (1/8),
+RandomResizedCrop 224 + flip, ``shuffle="blocks"``, from a local S3 server behind the same proxy, side by side
+with MosaicML Streaming and LitData under the same latency and cache bound, with each order's shuffle quality
+(see benchmarks/peers/README.md, "From object storage with a small cache").
 """
 
 from __future__ import annotations

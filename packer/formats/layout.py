@@ -128,17 +128,22 @@ class Layout:
 
 
 def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:
-    """Block starts over the layout's samples: a new block where the file changes, or where the samples so far
-    span ``target_bytes`` or more of their file (at least one sample a block). An increasing int64 array from 0."""
+    """Block starts over the layout's samples: a new block where the file changes, or where the block's bytes so
+    far (from its lowest range start to its highest range end: ranges need not rise with the index, e.g. LMDB
+    records on pages a later transaction reused) would span more than ``target_bytes`` of their file (at least
+    one sample a block). An increasing int64 array from 0."""
     n = len(layout)
     if n == 0:
         return np.zeros(0, np.int64)
+    file, start, end = layout.file.tolist(), layout.start.tolist(), layout.end.tolist()
     starts = [0]
-    first_byte = int(layout.start[0])
+    low, high = start[0], end[0]
     for i in range(1, n):
-        if layout.file[i] != layout.file[i - 1] or int(layout.end[i]) - first_byte > target_bytes:
+        low_i, high_i = min(low, start[i]), max(high, end[i])
+        if file[i] != file[i - 1] or high_i - low_i > target_bytes:
             starts.append(i)
-            first_byte = int(layout.start[i])
+            low_i, high_i = start[i], end[i]
+        low, high = low_i, high_i
     return np.asarray(starts, dtype=np.int64)
 
 

@@ -29,23 +29,29 @@ import os
 import struct
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from ..errors import CorruptDataError, PackerError
-from ..fields import fields_crc32
+from ..errors import CorruptDataError, PackerError, UsageError
+from ..fields import Field, fields_crc32
 from ..manifest import file_entry
 from ..transforms import Encoded
 from .base import Reader, Sample, Writer, blocks_by_size, register
 from .identity import FileId, changed_error, check_unchanged, file_id
+from .layout import Layout, RangeSource
+from .lmdb_pages import record_ranges
 
 HEADER = struct.Struct("<4siIHHBBHI")
 MAGIC = b"PKR1"
 MAGIC_FIELDS = b"PKR2"  # the payload is followed by the extra fields
 FIELDS_HEADER = struct.Struct("<II")  # crc32 of the fields, their count
+
+
+KEY_DIGITS = 10  # a key is the sample index in this many ASCII digits
 
 
 def key(index: int) -> bytes:
@@ -82,23 +88,43 @@ def unpack_fields(view: memoryview, where: str) -> tuple[tuple[memoryview, ...],
     return tuple(values), crc
 
 
+def parse_record(value: bytes | memoryview, where: str | Callable[[], str]) -> tuple[Sample, int, int]:
+    """A record's sample (its payload a view of ``value``), where its path ends and where its payload ends (its
+    fields start, in a ``PKR2`` record): the one parser of a record's header, for reads from the map and from
+    byte ranges alike. The label is not checked against the dataset's classes (the caller's). Any malformed
+    record is a one-line :class:`CorruptDataError` naming ``where`` (a callable is called only then: the hot
+    path names nothing)."""
+    if len(value) >= HEADER.size:
+        magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(value)
+        start = HEADER.size + path_len
+        end = start + size
+        if end == len(value) if magic == MAGIC else (magic == MAGIC_FIELDS and end <= len(value)):
+            return Sample(value[start:end], label, (h, w, c), crc), start, end
+    where = where() if callable(where) else where
+    if len(value) < HEADER.size:
+        raise CorruptDataError(f"{where}: record is {len(value)} bytes, shorter than its header; re-pack")
+    if magic not in (MAGIC, MAGIC_FIELDS):
+        raise CorruptDataError(f"{where}: record header is damaged (bad magic); re-pack")
+    raise CorruptDataError(f"{where}: record length does not match its header; re-pack")
+
+
 def unpack_record(value: bytes | memoryview, where: str = "record") -> tuple[Sample, str]:
     """Split a record into its sample and relative path; any malformed record is a :class:`CorruptDataError`."""
     view = memoryview(value)
-    if len(view) < HEADER.size:
-        raise CorruptDataError(f"{where}: record is {len(view)} bytes, shorter than its header; re-pack")
-    magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(view)
-    if magic not in (MAGIC, MAGIC_FIELDS):
-        raise CorruptDataError(f"{where}: record header is damaged (bad magic); re-pack")
-    end = HEADER.size + path_len + size
-    if end != len(view) if magic == MAGIC else end > len(view):
-        raise CorruptDataError(f"{where}: record length does not match its header; re-pack")
-    start = HEADER.size + path_len
+    sample, path_end, _ = parse_record(view, where)
     try:
-        relpath = bytes(view[HEADER.size:start]).decode("utf-8")
+        relpath = bytes(view[HEADER.size:path_end]).decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptDataError(f"{where}: record path is not UTF-8; the record is damaged, re-pack") from None
-    return Sample(view[start:end], label, (h, w, c), crc), relpath
+    return sample, relpath
+
+
+def record_fields(value: bytes | memoryview, where: str) -> tuple[tuple[memoryview, ...], int]:
+    """The extra fields of a ``PKR2`` record and their checksum (:func:`unpack_fields`)."""
+    view = memoryview(value)
+    if len(view) < HEADER.size or bytes(view[:4]) != MAGIC_FIELDS:
+        raise CorruptDataError(f"{where}: record has no fields, the manifest says it has; run `packer verify`")
+    return unpack_fields(view[parse_record(view, where)[2]:], where)
 
 
 class LmdbWriter(Writer):
@@ -373,32 +399,64 @@ class LmdbReader(Reader):
 
     def read(self, index: int) -> Sample:
         # the hot path: check the header and slice the payload, without decoding the path or naming the sample
-        value = self._value(index)
-        if len(value) >= HEADER.size:
-            magic, label, crc, h, w, c, _, path_len, size = HEADER.unpack_from(value)
-            start = HEADER.size + path_len
-            if magic == MAGIC and start + size == len(value) and self.label_low <= label < self.label_high:
-                return Sample(value[start:], label, (h, w, c), crc)
-            if (magic == MAGIC_FIELDS and start + size <= len(value)
-                    and self.label_low <= label < self.label_high):
-                return Sample(value[start:start + size], label, (h, w, c), crc)
-        sample = self._get(index)[0]  # raises the detailed error
-        self.check_labels(self.describe(index), np.array([sample.label]))
+        sample = parse_record(self._value(index), lambda: self.describe(index))[0]
+        if not self.label_low <= sample.label < self.label_high:
+            self.check_labels(self.describe(index), np.array([sample.label]))
         return sample
 
     def _fields(self, index: int) -> tuple[tuple[memoryview, ...], int]:
-        value = self._value(index)
-        where = self.describe(index)
-        if len(value) < HEADER.size or bytes(value[:4]) != MAGIC_FIELDS:
-            raise CorruptDataError(f"{where}: record has no fields, the manifest says it has; run `packer verify`")
-        *_, path_len, size = HEADER.unpack_from(value)
-        return unpack_fields(memoryview(value)[HEADER.size + path_len + size:], where)
+        return record_fields(self._value(index), self.describe(index))
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         return self._fields(index)[0]
 
     def fields_checksum(self, index: int) -> int | None:
         return self._fields(index)[1]
+
+    # -- reading by byte ranges (packer.formats.layout): the same records, found by walking data.mdb's pages ----
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """Each record's value in ``data.mdb`` (in its leaf page, or after its overflow page's header), from the
+        B-tree's pages read by ranges, one round trip per tree level (:func:`lmdb_pages.record_ranges`; no
+        py-lmdb, no payload read). ``index`` is empty: each record carries its own header.
+
+        Raises:
+            UsageError: a dataset converted in parts, or an LMDB file of another build than py-lmdb's here.
+            CorruptDataError: ``data.mdb`` is damaged, or not keyed ``0..count-1`` as the manifest counts.
+        """
+        if manifest.get("parts") is not None:
+            raise UsageError(f"{where}: converted in {len(manifest['parts'])} parts, each its own data.mdb: it "
+                             "cannot be read a block at a time; raise cache_limit to the dataset's size")
+        name = f"{str(where).rstrip('/')}/data.mdb"
+        count = int(manifest["count"])
+        start, end = record_ranges(source, "data.mdb", count, KEY_DIGITS, name)
+        layout = Layout(("data.mdb",), np.zeros(count, np.int32), start, end)
+        layout.check(count, [source.size("data.mdb")], name)
+        return layout
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        """:meth:`read` of sample ``index`` from its record's bytes (``data``: the LMDB value), parsed as
+        :meth:`read` parses it; ``where`` names the sample in errors (as :meth:`describe` does). The label is
+        NOT checked against the dataset's classes here (a classmethod has no manifest): the caller does, with
+        :meth:`Reader.check_labels` (and :meth:`Reader.checked` checks the crc32 and the class folder)."""
+        return parse_record(data, where)[0]
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        """:meth:`read_extras` of sample ``index`` from its record's bytes; :class:`CorruptDataError` naming
+        ``where`` when the record holds another number of fields than ``extras``."""
+        values = record_fields(data, where)[0]
+        if len(values) != len(extras):
+            raise CorruptDataError(f"{where}: holds {len(values)} fields, the manifest says {len(extras)}; run "
+                                   "`packer verify`")
+        return values
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        """:meth:`fields_checksum` of sample ``index`` from its record's bytes (errors name its file and index)."""
+        return record_fields(data, f"{layout.files[int(layout.file[index])]} sample {index}")[1]
 
     def blocks(self, target_bytes: int) -> np.ndarray:
         """Index ranges of about ``target_bytes`` of records: records are written in index order, so their
