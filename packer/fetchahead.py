@@ -11,6 +11,7 @@ with the pass, when the caller drops the iterator, or when the loader starts ano
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,6 +29,16 @@ def _stop_all() -> None:
     abort the process)."""
     for fetching in list(_RUNNING):
         fetching.stop()
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` on stderr, once per process."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def blocked_reader(dataset: Any) -> Any | None:

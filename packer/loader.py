@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
-from .fetchahead import FetchAhead, blocked_reader
+from .fetchahead import FetchAhead, blocked_reader, say_once
 from .fieldbatch import FieldBatch
 from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
@@ -431,8 +431,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     arguments.optional_int("fetch_ahead", fetch_ahead, 0)
     if shuffle is True and blocked_reader(dataset) is not None:
-        print(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
-              f"(shuffle='blocks', {block_window} blocks mixed at a time)", file=sys.stderr)
+        say_once(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
+                 f"(shuffle='blocks', {block_window} blocks mixed at a time)")
         shuffle = BLOCKS
     batch_size = 64 if batch_size is None else batch_size
     ours = {"collate_fn": (collate,), "worker_init_fn": (None, seed_worker)}  # packer's own: not the caller's
