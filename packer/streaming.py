@@ -113,6 +113,10 @@ class ShardStreams(IterableDataset):
         for n, sample in enumerate(shard_samples(shard, self.extras, self.reader), 1):
             if n > count:
                 break
+            key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
+            if key.isascii() and key.isdigit() and int(key) != first + n - 1:
+                raise PackerError(f"{shard}: holds sample {key} where the manifest's shard counts place sample "
+                                  f"{first + n - 1}; the dataset is damaged, run `packer verify`")
             if uses[first + n - 1]:
                 held[first + n - 1] = sample
         if n != count:

@@ -8,6 +8,7 @@ are recognised by their pixels in the dataset opened with ``open_dataset``.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,20 @@ def test_torchrun_two_ranks_then_one_process(dataset, tmp_path):
     before = [i for out in ranks for batch in out["batches"] for i in batch[3]]
     after = [i for batch in read_out(one["out"])["batches"] for i in batch[3]]
     assert len(before) == 24 and sorted(before + after) == list(range(COUNT))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_out_of_place_is_one_line(dataset, tmp_path, workers):
+    """Two shards swapped: their samples are not where the manifest's counts place them."""
+    dest = tmp_path / "wds"
+    shutil.copytree(dataset[0], dest)
+    first, second = dest / "shard-000000.tar", dest / "shard-000001.tar"
+    first.rename(tmp_path / "tmp.tar")
+    second.rename(first)
+    (tmp_path / "tmp.tar").rename(second)
+    with pytest.raises(packer.PackerError) as info:
+        for _ in make(dest, workers=workers):
+            pass
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message and "shard-00000" in message, message
+    assert "where the manifest's shard counts place sample" in message
