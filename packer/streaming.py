@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,12 @@ _MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "
 Shard = tuple[Path | Fetchable, int]  # a shard and its sample count
 
 
-def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader]
-                  ) -> Iterator[StreamSample]:
+def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader],
+                  wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
     """The samples of a shard, read sequentially by its format (:meth:`~packer.formats.Reader.stream_file`); a
-    remote shard from its cached copy, held only while it is read."""
+    remote shard from its cached copy, held only while it is read. Those ``wanted`` declines are None."""
     with fetched(shard) as local:
-        yield from reader.stream_file(local, extras, shard)
+        yield from reader.stream_file(local, extras, shard, wanted)
 
 
 def shard_window(buffer: int, counts: Sequence[int]) -> int:
@@ -77,7 +77,8 @@ def rank_batches(plan: EpochPass) -> list[np.ndarray]:
 
 class ShardStreams(IterableDataset):
     """This rank's batches for one pass; each worker process (or the main process) makes every ``workers``-th
-    one, reading the shards they need from start to end, each once, and keeping only their samples."""
+    one, reading the shards they need from start to end, each once: their samples' members, and only the
+    headers of the others'."""
 
     def __init__(self, shards: list[Shard], decoder: StreamDecoder, *, reader: type[Reader]):
         self.shards = shards  # the non-empty shards, in the manifest's order: the blocks of the order
@@ -110,15 +111,14 @@ class ShardStreams(IterableDataset):
         """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
         shard, count = self.shards[block]
         first, n = int(self.plan.blocks[block]), 0
-        for n, sample in enumerate(shard_samples(shard, self.extras, self.reader), 1):
-            if n > count:
-                break
+        for n, sample in enumerate(shard_samples(shard, self.extras, self.reader, lambda k: uses[first + k] > 0), 1):
+            if n > count or sample is None:  # the samples of other streams are skipped, not read
+                continue
             key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
             if key.isascii() and key.isdigit() and int(key) != first + n - 1:
                 raise PackerError(f"{shard}: holds sample {key} where the manifest's shard counts place sample "
                                   f"{first + n - 1}; the dataset is damaged, run `packer verify`")
-            if uses[first + n - 1]:
-                held[first + n - 1] = sample
+            held[first + n - 1] = sample
         if n != count:
             raise PackerError(f"{shard}: holds {'more' if n > count else n} samples, the manifest says {count}; "
                               "run `packer verify`")

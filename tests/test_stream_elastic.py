@@ -205,3 +205,15 @@ def test_a_shard_out_of_place_is_one_line(dataset, tmp_path, workers):
     message = str(info.value)
     assert "\n" not in message and "Traceback" not in message and "shard-00000" in message, message
     assert "where the manifest's shard counts place sample" in message
+
+
+def test_a_shard_read_skips_the_samples_a_stream_does_not_want(dataset):
+    """What each worker process does with its rank's shards: the samples of the other workers are None, their
+    data not read; the others are exactly what a whole read gives."""
+    from packer.formats.wds_members import read_shard
+
+    shard = dataset[0] / "shard-000003.tar"
+    whole = list(read_shard(shard))
+    some = list(read_shard(shard, wanted=lambda k: k % 3 == 1))
+    assert len(whole) == len(some) == SHARD and [s.key for s in whole] == [f"{i:09d}" for i in range(24, 32)]
+    assert some == [s if k % 3 == 1 else None for k, s in enumerate(whole)]
