@@ -13,6 +13,7 @@ or when the loader starts another pass.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import weakref
@@ -23,6 +24,11 @@ import numpy as np
 
 POLL = 0.01  # seconds between looks at the batches received
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
+# Held by a fetch-ahead thread while it fetches, and by a thread that forks (a DataLoader starting its workers)
+# while it forks: a child is never forked in the middle of a fetch, holding locks it would wait on forever.
+_FORK_GATE = threading.Lock()
+os.register_at_fork(before=_FORK_GATE.acquire, after_in_parent=_FORK_GATE.release,
+                    after_in_child=_FORK_GATE.release)
 
 
 @atexit.register
@@ -110,7 +116,8 @@ class FetchAhead:
                 k = passed
                 while len(held) < ahead and k < len(order) and not stop.is_set():
                     if last[k] >= frontier and k not in held:
-                        release = hold(int(order[k]), wait=False)
+                        with _FORK_GATE:
+                            release = hold(int(order[k]), wait=False)
                         if release is None:  # no room in the cache now: try again later
                             break
                         held[k] = release
