@@ -32,7 +32,7 @@ def main() -> None:
     def poll() -> None:
         used = Cache(cache)
         while not stop.wait(0.002):
-            most[0] = max(most[0], used.used(settled=True))
+            most[0] = max(most[0], used.used())
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()

@@ -130,8 +130,8 @@ class CachePoll:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self.stop.wait(0.01):
-            self.most = max(self.most, self.cache.used(settled=True))
+        while not self.stop.wait(0.002):
+            self.most = max(self.most, self.cache.used())
 
     def __enter__(self) -> CachePoll:
         self.thread.start()

@@ -216,14 +216,9 @@ class Cache:
                         found.append((st.st_mtime, st.st_size, path))
         return found
 
-    def used(self, settled: bool = False) -> int:
-        """Bytes the cache holds (objects and reserved downloads). With ``settled``, counted while no process
-        reserves or evicts: a figure the cache held at one instant (else, an object evicted and a download
-        reserved during the count may both be counted)."""
-        if not settled:
-            return sum(size for _, size, _ in self.entries())
-        with self._locked(self.root / "evict.lock"):
-            return sum(size for _, size, _ in self.entries())
+    def used(self) -> int:
+        """Bytes the cache holds (objects and reserved downloads)."""
+        return sum(size for _, size, _ in self.entries())
 
     def _make_room(self, size: int) -> None:
         entries = sorted(self.entries())
