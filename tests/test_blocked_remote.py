@@ -131,7 +131,9 @@ class CachePoll:
 
     def _run(self) -> None:
         while not self.stop.wait(0.002):
-            self.most = max(self.most, self.cache.used())
+            # the smaller of two counts in a row: one count lists the folders one after another, and may find an
+            # object before it is evicted and, later in the same count, the download that took its room
+            self.most = max(self.most, min(self.cache.used(), self.cache.used()))
 
     def __enter__(self) -> CachePoll:
         self.thread.start()
