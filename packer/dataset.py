@@ -26,7 +26,7 @@ from .errors import UsageError
 from .fieldbatch import TORCH_DTYPES, FieldBatch, field_tensor
 from .fieldread import FieldDecoder, select_fields
 from .fields import Field, is_pair_schema, schema_of
-from .formats import PartedReader, Reader, open_reader
+from .formats import PartedReader, Reader, open_blocked, open_reader, reader_class
 from .formats.base import Sample
 from .formats.hdf5 import Hdf5Reader
 from .formats.lmdb import LmdbReader
@@ -564,7 +564,8 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
         locking: HDF5 only: HDF5's file locking (default off).
         storage_options: for a URL, the fsspec filesystem's options (credentials, endpoint).
         cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
-        cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``).
+        cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``); a dataset larger than it
+            is read a block at a time, in blocks that fit (said once; see :func:`packer.formats.blocked.block_budget`).
 
     Returns:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
@@ -581,13 +582,15 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     arguments.int_at_least("threads", threads, 1)
     options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
                if value is not None}
-    from .remote import local_dataset  # a URL is resolved here: below, every reader opens a local folder
+    from .remote import open_remote  # a URL is resolved here into a local folder, or blocks when over cache_limit
 
-    reader = open_reader(local_dataset(root, storage_options, cache_dir, cache_limit))
+    found = open_remote(root, storage_options, cache_dir, cache_limit)
+    blocked = not isinstance(found, (str, os.PathLike))
+    reader = open_blocked(found, reader_class(found.manifest, found.url)) if blocked else open_reader(found)
     for name in options:
         if reader.format != _READER_OPTIONS[name]:
             raise UsageError(f"{name} is an option of {_READER_OPTIONS[name]} datasets; {root} is {reader.format}")
-    if options:
+    if options and not blocked:  # options of the local files' readers
         reader = open_reader(reader.root, **options)
     return _DATASETS.get(type(reader), PackedDataset)(
         reader, transform=transform, target_transform=target_transform, decode=decode, verify=verify,

@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
+from .fetchahead import FetchAhead, blocked_reader, say_once
 from .fieldbatch import FieldBatch
 from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
@@ -146,8 +147,11 @@ class PrefetchLoader(DataLoader):
     run ahead of it), and :meth:`load_state_dict` makes the next iteration the rest of that epoch."""
 
     def __init__(self, *args, prefetch_batches: int = 4, threads: int = 1, pin_batches: bool = False,
-                 worker_pool: dict[str, Any] | None = None, plan: LoaderPlan | None = None, **kwargs):
+                 worker_pool: dict[str, Any] | None = None, plan: LoaderPlan | None = None,
+                 fetch_ahead: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fetch_ahead = fetch_ahead  # blocks fetched ahead, for a dataset read a block at a time
+        self._fetching: FetchAhead | None = None  # the latest pass's fetch-ahead thread
         self.plan = plan  # how make_loader chose to read (engine, workers, threads...) and why; None otherwise
         self.prefetch_batches = prefetch_batches
         self.threads = threads  # decode threads per batch, in each process that reads
@@ -158,6 +162,8 @@ class PrefetchLoader(DataLoader):
         self._prefetching: tuple[threading.Event, threading.Thread] | None = None  # the latest prefetch thread
 
     def __iter__(self):
+        if self._fetching is not None:
+            self._fetching.stop()
         sampler = self._resumable_sampler()
         if sampler is not None:
             self._restart_untouched(sampler)
@@ -174,7 +180,14 @@ class PrefetchLoader(DataLoader):
         if epoch_pass is None:
             return iterator
         self._received = Progress(epoch_pass, epoch_pass.batches)
-        return CountingIterator(iterator, self._received)
+        counting = CountingIterator(iterator, self._received)
+        reader = blocked_reader(self.dataset)
+        if reader is not None and epoch_pass.per_rank:  # started after any worker forked: they hold none of it
+            ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
+            started, batch = sampler.passes, self.batch_size  # handed out: this pass's batches, once it started
+            self._fetching = FetchAhead(reader, epoch_pass.indices(), batch, self._received, counting, ahead,
+                                        lambda: sampler.yielded // batch if sampler.passes > started else 0)
+        return counting
 
     def _restart_untouched(self, sampler: ResumableSampler) -> None:
         """When the latest iteration handed out no batch, the next one makes its pass again: for the caller it
@@ -371,7 +384,7 @@ def _block_starts(dataset: Dataset, block_bytes: int | str) -> np.ndarray:
 def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool | str = True, *, seed: int = 0,
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, block_window: int = 4, block_bytes: int | str = BLOCK_BYTES,
-                **overrides: Any) -> PrefetchLoader:
+                fetch_ahead: int | None = None, **overrides: Any) -> PrefetchLoader:
     """A ``torch.utils.data.DataLoader`` over ``dataset`` with the defaults above; ``overrides`` win.
 
     The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart make the same
@@ -403,7 +416,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
             in-process loader.
         drop_last: drop the last, smaller batch of each epoch.
         block_window: with ``shuffle="blocks"``, how many blocks are mixed together (and read at a time).
-        block_bytes: with ``shuffle="blocks"``, the size of an LMDB or HDF5 block (an int, or "64MB").
+        block_bytes: with ``shuffle="blocks"``, the size of an LMDB or HDF5 block (an int, or "64MB"). A URL
+            larger than its cache_limit is read in the blocks ``open_dataset`` sized for the cache instead, and
+            ``shuffle=True`` reads it as ``"blocks"`` (said once on stderr).
+        fetch_ahead: for a URL larger than its cache_limit, the blocks a thread keeps fetched ahead of the
+            batches received (default: what the cache budget allows, see ``open_dataset``).
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
     Raises:
@@ -414,6 +431,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         reads, with how many workers and threads, pinning and prefetch, and why each.
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
+    arguments.optional_int("fetch_ahead", fetch_ahead, 0)
+    if shuffle is True and blocked_reader(dataset) is not None:
+        say_once(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
+                 f"(shuffle='blocks', {block_window} blocks mixed at a time)")
+        shuffle = BLOCKS
     batch_size = 64 if batch_size is None else batch_size
     ours = {"collate_fn": (collate,), "worker_init_fn": (None, seed_worker)}  # packer's own: not the caller's
     given = {k: v for k, v in overrides.items() if not any(v is own for own in ours.get(k, ()))}
@@ -443,7 +465,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
                           pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,
-                          **settings)
+                          fetch_ahead=fetch_ahead, **settings)
 
 
 def _pool_arguments(plan: LoaderPlan, dataset: Dataset, settings: dict[str, Any]) -> dict[str, Any] | None:

@@ -140,7 +140,7 @@ def run_packer():
 # Given by module here, so that a new test in one of these files is marked without anyone remembering to.
 _MARKS_BY_MODULE = {
     "test_distributed": "distributed", "test_distributed_pack": "distributed",
-    "test_remote": "remote",
+    "test_remote": "remote", "test_blocked_remote": "remote",
     "test_bench": "slow", "test_resume_loader": "slow", "test_orphans": "slow", "test_untrusted": "slow",
 }
 

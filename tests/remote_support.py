@@ -30,10 +30,12 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class Served:
-    """A server running on a thread; ``url``; ``requests`` counts ``(method, path)``; ``stop()``."""
+    """A server running on a thread; ``url``; ``requests`` counts ``(method, path)``, ``sent`` the body bytes
+    sent (a file server's); ``stop()``."""
 
     def __init__(self, handler: type, **attrs):
         self.requests: collections.Counter = collections.Counter()
+        self.sent = 0
         self.lock = threading.Lock()
         self.latency = 0.0
         handler = type(handler.__name__, (handler,), {"served": self, **attrs})
@@ -99,6 +101,8 @@ class RangeFiles(http.server.BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
         if body:
+            with self.served.lock:
+                self.served.sent += len(data)
             self.wfile.write(data)
 
 

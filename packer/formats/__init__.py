@@ -20,10 +20,11 @@ from . import lmdb  # noqa: F401
 from . import hdf5  # noqa: F401
 from . import wds  # noqa: F401
 # isort: on
+from .blocked import BlockedReader, open_blocked
 from .parts import PartedReader
 
-__all__ = ["PartedReader", "Reader", "Sample", "StreamSample", "Writer", "close_all", "foreign_reader",
-           "format_names", "get_format", "open_reader", "reader_class", "register", "writer_files"]
+__all__ = ["BlockedReader", "PartedReader", "Reader", "Sample", "StreamSample", "Writer", "close_all", "foreign_reader",
+           "format_names", "get_format", "open_blocked", "open_reader", "reader_class", "register", "writer_files"]
 
 
 def open_reader(root: str | os.PathLike, **options) -> Reader:
@@ -71,5 +72,5 @@ def foreign_reader(paths: list[Path], label_key: str | None = None) -> Reader:
 def close_all() -> None:
     """Close the handles every format's readers share per process (:meth:`Reader.close_process_handles`); they
     reopen on next use. Only while no loader is reading: closing a map under a reading thread crashes."""
-    for reader in readers():
+    for reader in [*readers(), BlockedReader]:
         reader.close_process_handles()

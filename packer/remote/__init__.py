@@ -8,7 +8,9 @@ through this package and hand local folders (or :class:`packer.fetchable.Fetchab
 - :mod:`.fetch` reads with retries and checks size and sha256;
 - :mod:`.cache` is the local cache (LRU, locks, pins);
 - :mod:`.resolve` turns a dataset URL into a local folder the readers open, or into one fetchable file per
-  data file (for ``stream``).
+  data file (for ``stream``);
+- :mod:`.ranges` reads byte ranges of the data files, and keeps blocks (ranges) of them in the cache, for a
+  dataset larger than the cache (:func:`open_remote`).
 
 Uploading a conversion is :mod:`packer.upload`'s, ``packer verify URL`` is :mod:`packer.verify`'s, ``packer
 bench URL`` is :mod:`packer.bench.remote`'s.
@@ -22,7 +24,7 @@ from typing import Any
 
 from .url import is_url, parse_url
 
-__all__ = ["is_url", "local_dataset", "parse_url", "read_manifest"]
+__all__ = ["is_url", "local_dataset", "open_remote", "parse_url", "read_manifest"]
 
 
 def read_manifest(dest: str | os.PathLike, storage_options: dict | None = None) -> dict:
@@ -65,3 +67,27 @@ def local_dataset(path: str | os.PathLike | Any, storage_options: dict | None = 
     from .resolve import resolve
 
     return Path(resolve(os.fspath(path), storage_options, cache_dir, cache_limit))
+
+
+def open_remote(path: str | os.PathLike | Any, storage_options: dict | None = None,
+                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> Any:
+    """As :func:`local_dataset`, except for a URL whose data files are larger than ``cache_limit``: then a
+    :class:`~packer.remote.ranges.BlockedRemote` (the manifest, a range source for the format's layout and a
+    block store), which ``open_dataset`` reads a block at a time. A dataset converted in parts still has to fit
+    (the one-line error says so)."""
+    if not isinstance(path, (str, os.PathLike)) or parse_url(path) is None:
+        return path
+    from .cache import Cache
+    from .ranges import BlockedRemote, RemoteBlocks, RemoteSource
+    from .resolve import remote_manifest, resolve_fetched
+
+    remote = parse_url(path)
+    cache = Cache(cache_dir, cache_limit)
+    manifest, text = remote_manifest(remote, storage_options)
+    total = sum(int(entry["bytes"]) for entry in manifest["files"])
+    if cache.limit is None or total <= cache.limit or manifest.get("parts") is not None:
+        return Path(resolve_fetched(remote, manifest, text, storage_options, cache))
+    view = cache.view(remote.url)
+    view.mkdir(parents=True, exist_ok=True)
+    return BlockedRemote(remote.url, manifest, view, RemoteSource(remote, manifest, storage_options),
+                         RemoteBlocks(remote, manifest, storage_options, cache_dir, cache.limit), cache.limit, total)

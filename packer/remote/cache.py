@@ -3,7 +3,10 @@
 Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``; its bound is
 ``cache_limit``, else ``PACKER_CACHE_LIMIT``, else none)::
 
-    objects/ab/<sha256>      data files, named by their content's sha256, each checked before it was renamed here
+    objects/ab/<sha256>      data files, named by their content's sha256, and ranges of them (blocks, see
+                             :mod:`.ranges`), named by the sha256 of ``"FILE_SHA256:START:END"``; each checked
+                             (whole files against their sha256, ranges against their length) before it was
+                             renamed here
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
     locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
@@ -48,17 +51,56 @@ def default_cache_dir() -> Path:
     return Path(base) / "packer"
 
 
-class Pin:
-    """A shared lock on one cached object, held while a reader may use it; eviction skips it. A forked child
-    shares it; :meth:`release` (or the process's exit) lets the object be evicted again."""
+class CacheFull(RemoteError):
+    """No room for an object within ``cache_limit``: what is cached is pinned by readers or downloads."""
 
-    def __init__(self, path: Path, fd: int):
+
+# Descriptors a forked child closes at once: the cache's locks a thread holds while it fetches (a child that kept
+# one would hold the lock for its whole life: every process on the node would wait for it) and the pins of blocks
+# (a persistent DataLoader worker would keep them from being evicted). fd -> the pid that opened it.
+_NOT_INHERITED: dict[int, int] = {}
+
+
+def _close_inherited() -> None:
+    for fd in list(_NOT_INHERITED):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _NOT_INHERITED.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
+def _open(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open``, the descriptor closed in a child forked while it is open (see :func:`_close`)."""
+    fd = os.open(path, flags, mode)
+    _NOT_INHERITED[fd] = os.getpid()
+    return fd
+
+
+def _close(fd: int) -> None:
+    if _NOT_INHERITED.pop(fd, None) not in (None, os.getpid()):
+        return  # a forked child's copy, closed when it started
+    os.close(fd)
+
+
+class Pin:
+    """A shared lock on one cached object, held while a reader may use it; eviction skips it. With ``inherited``
+    a forked child shares it (a resolved dataset's files, read by its DataLoader workers); without, a child
+    forked while it is held closes its copy at once (a block, held by the process that fetched it ahead).
+    :meth:`release` (or the process's exit) lets the object be evicted again."""
+
+    def __init__(self, path: Path, fd: int, inherited: bool = True):
         self.path = path
         self._fd: int | None = fd
+        self._pid, self._inherited = os.getpid(), inherited
+        if inherited:
+            _NOT_INHERITED.pop(fd, None)
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            if self._inherited or self._pid == os.getpid():  # else a forked child's copy, closed as it started
+                _close(self._fd)
             self._fd = None
 
 
@@ -70,7 +112,8 @@ def _is_regular(path: Path) -> bool:
 
 
 class Cache:
-    """A cache folder with an optional size bound (``limit`` in bytes or ``"10GB"``)."""
+    """A cache folder with an optional size bound (``limit`` in bytes or ``"10GB"``). Its objects are whole data
+    files or byte ranges of them: both are regular files under ``objects/``, pinned, counted and evicted alike."""
 
     def __init__(self, root: str | os.PathLike | None = None, limit: int | str | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
@@ -96,11 +139,11 @@ class Cache:
         parts[-1] = f"{parts[-1]}-{digest}"
         return self.root.joinpath("views", *parts)
 
-    def pin(self, sha256: str) -> Pin | None:
+    def pin(self, sha256: str, inherited: bool = True) -> Pin | None:
         """A :class:`Pin` on the cached object, or None when it is not cached."""
         path = self.object_path(sha256)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
@@ -110,27 +153,27 @@ class Cache:
                 raise FileNotFoundError(path)
             os.utime(path)  # the LRU clock
         except OSError:
-            os.close(fd)
+            _close(fd)
             return None
-        return Pin(path, fd)
+        return Pin(path, fd, inherited)
 
     @contextlib.contextmanager
     def _locked(self, path: Path, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open(path, os.O_RDWR | os.O_CREAT)
         try:
             yield lock_file(fd, exclusive=not shared, blocking=blocking)
         finally:
-            os.close(fd)
+            _close(fd)
 
-    def obtain(self, sha256: str, size: int, fetch: Callable[[Path], None]) -> Pin:
+    def obtain(self, sha256: str, size: int, fetch: Callable[[Path], None], inherited: bool = True) -> Pin:
         """A pin on the object ``sha256``, fetched first when it is not cached: by one process at a time (the
         others wait, then find it), into a reserved temporary file that ``fetch(path)`` fills and checks, then
-        renamed into place."""
-        pin = self.pin(sha256)
+        renamed into place. ``inherited``: whether a forked child shares the pin (:class:`Pin`)."""
+        pin = self.pin(sha256, inherited)
         if pin is not None:
             return pin
         with self._locked(self.root / "locks" / f"{sha256}.lock"):
-            pin = self.pin(sha256)
+            pin = self.pin(sha256, inherited)
             if pin is not None:
                 return pin
             tmp = self.root / "tmp" / f"{sha256}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -142,9 +185,9 @@ class Cache:
                 os.replace(tmp, path)
                 lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
                 os.utime(path)
-                return Pin(path, fd)
+                return Pin(path, fd, inherited)
             except BaseException:
-                os.close(fd)
+                _close(fd)
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
                 raise
@@ -155,7 +198,7 @@ class Cache:
         with self._locked(self.root / "evict.lock"):
             if self.limit is not None:
                 self._make_room(size)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             lock_file(fd)  # an abandoned download is one whose lock is free
             os.ftruncate(fd, size)
         return fd
@@ -186,7 +229,7 @@ class Cache:
             if self._evict(path):
                 total -= bytes_
         if total + size > self.limit:
-            raise RemoteError(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
+            raise CacheFull(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
                               f"{total:,} bytes are in use by open datasets or downloads; raise cache_limit, or "
                               "read with packer.stream, which holds one shard per worker")
 
@@ -197,7 +240,7 @@ class Cache:
         if not (_is_regular(path) and (parent == root / "tmp" or parent.parent == root / "objects")):
             return False  # only regular files in objects/ab/ and tmp/: never anything outside the cache
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
         try:
@@ -205,7 +248,7 @@ class Cache:
         except OSError:
             locked = False
         if not locked:
-            os.close(fd)
+            _close(fd)
             return False
         try:
             if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
@@ -215,4 +258,4 @@ class Cache:
         except OSError:
             return False
         finally:
-            os.close(fd)
+            _close(fd)

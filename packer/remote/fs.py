@@ -15,6 +15,15 @@ from ..errors import PackerError, UrlError
 
 _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 _LOCK = threading.Lock()
+
+
+def _new_lock() -> None:
+    """In a forked child: a lock of its own (a thread of the parent may have held this one as it forked)."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 
 

@@ -73,14 +73,16 @@ def _write_manifest(view: Path, text: bytes) -> None:
     os.replace(tmp, view / MANIFEST)
 
 
-def fetch_file(cache: Cache, remote: RemoteUrl, entry: dict, storage_options: dict | None) -> Pin:
-    """A pin on the cached, checked copy of the data file ``entry`` (a manifest ``files`` entry)."""
+def fetch_file(cache: Cache, remote: RemoteUrl, entry: dict, storage_options: dict | None,
+               inherited: bool = True) -> Pin:
+    """A pin on the cached, checked copy of the data file ``entry`` (a manifest ``files`` entry); ``inherited``:
+    whether a forked child shares it."""
     url = remote.join(entry["path"])
 
     def fetch(target: Path) -> None:
         download(filesystem(remote.protocol, storage_options), url, target, entry["bytes"], entry["sha256"])
 
-    return cache.obtain(entry["sha256"], entry["bytes"], fetch)
+    return cache.obtain(entry["sha256"], entry["bytes"], fetch, inherited)
 
 
 def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
@@ -98,12 +100,19 @@ def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.P
         the folder (``manifest.json`` and links to the cached files) the local readers open.
     """
     remote = parse_url(url)
-    cache = Cache(cache_dir, cache_limit)
-    manifest, text = remote_manifest(remote, storage_options)
+    return resolve_fetched(remote, *remote_manifest(remote, storage_options), storage_options,
+                           Cache(cache_dir, cache_limit), damaged)
+
+
+def resolve_fetched(remote: RemoteUrl, manifest: dict, text: bytes, storage_options: dict | None, cache: Cache,
+                    damaged: list[str] | None = None) -> Path:
+    """:func:`resolve` of a dataset whose manifest (parsed, and its bytes) was fetched already."""
     total = sum(entry["bytes"] for entry in manifest["files"])
     if cache.limit is not None and total > cache.limit:
-        raise RemoteError(f"{remote.url}: the dataset is {total:,} bytes, over cache_limit {cache.limit:,}; random "
-                          "access keeps every file cached: raise cache_limit, or read it with packer.stream")
+        why = ("a dataset converted in parts keeps every file cached" if manifest.get("parts") is not None
+               else "random access keeps every file cached")
+        raise RemoteError(f"{remote.url}: the dataset is {total:,} bytes, over cache_limit {cache.limit:,}; {why}: "
+                          "raise cache_limit, or read it with packer.stream")
     view = cache.view(remote.url)
     view.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,130 @@
+"""Fetch ahead, release behind, for a dataset read a block at a time (a URL larger than the local cache).
+
+While a loader's pass runs, a thread of the main process knows this rank's coming blocks (from the pass's
+sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks beyond the batches
+handed to the decoders (worker processes or threads) fetched and held (pinned in the cache), and lets each one
+go once the last batch that reads it has been received by the caller; it never holds more than ``ahead``
+blocks (those of batches in flight included), which the block size leaves room for. Correctness never depends on
+it: a worker that needs a block not yet there fetches it itself (the cache makes one process fetch, the others
+wait). When the cache has no room the thread waits; it stops with the pass, when the caller drops the iterator,
+or when the loader starts another pass.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+POLL = 0.01  # seconds between looks at the batches received
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
+# Held by a fetch-ahead thread while it fetches, and by a thread that forks (a DataLoader starting its workers)
+# while it forks: a child is never forked in the middle of a fetch, holding locks it would wait on forever.
+_FORK_GATE = threading.Lock()
+os.register_at_fork(before=_FORK_GATE.acquire, after_in_parent=_FORK_GATE.release,
+                    after_in_child=_FORK_GATE.release)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop every fetch-ahead thread (a daemon thread inside a fetch as the interpreter finalizes can
+    abort the process)."""
+    for fetching in list(_RUNNING):
+        fetching.stop()
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` on stderr, once per process."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
+
+
+def blocked_reader(dataset: Any) -> Any | None:
+    """The reader of a dataset read a block at a time (it has ``hold_block``), else None."""
+    reader = getattr(dataset, "reader", None)
+    return reader if callable(getattr(reader, "hold_block", None)) else None
+
+
+def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """From the block of each of a rank's samples in order: the blocks in the order they are first read, and
+    the last batch that reads each (aligned with that order)."""
+    if len(blocks) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    batch = np.arange(len(blocks), dtype=np.int64) // batch_size
+    unique, first = np.unique(blocks, return_index=True)
+    last = np.full(len(unique), -1, np.int64)
+    np.maximum.at(last, np.searchsorted(unique, blocks), batch)
+    by_first = np.argsort(first, kind="stable")
+    return unique[by_first], last[by_first]
+
+
+class FetchAhead:
+    """The thread that fetches ``ahead`` blocks ahead of the batches handed to the decoders (``handed()``) and
+    releases them behind the batches received (``progress.received``), for one pass (``indices``: this rank's
+    samples, in order).
+
+    Args:
+        reader: the blocked reader (``block_of``, ``hold_block``).
+        indices: the pass's sample indices on this rank, in order.
+        batch_size: samples per batch.
+        progress: the pass's :class:`~packer.state.Progress` (batches received so far).
+        owner: the iterator the caller holds: when it is garbage-collected, the thread stops.
+        ahead: how many blocks to hold at most (beyond the batches handed out, where it can).
+        handed: the batches handed to the decoders so far (default: those received).
+    """
+
+    def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int,
+                 handed: Callable[[], int] | None = None):
+        self.order, self.last = block_plan(reader.block_of(indices), batch_size)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
+                                       args=(reader.hold_block, self.order, self.last, progress,
+                                             handed or (lambda: progress.received), weakref.ref(owner),
+                                             max(0, ahead), self.stop_event))
+        _RUNNING.add(self)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and release what it holds (waits for a fetch in progress)."""
+        self.stop_event.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+    @staticmethod
+    def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
+             handed: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
+        held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
+        passed = 0  # the blocks of ``order`` before this one are handed out whole
+        try:
+            while not stop.is_set() and owner() is not None and not progress.finished:
+                received = progress.received
+                frontier = max(received, handed())
+                for k in [k for k in held if last[k] < received]:  # every batch that reads it was received
+                    held.pop(k)()
+                while passed < len(order) and last[passed] < frontier:
+                    passed += 1
+                k = passed
+                while len(held) < ahead and k < len(order) and not stop.is_set():
+                    if last[k] >= frontier and k not in held:
+                        with _FORK_GATE:
+                            release = hold(int(order[k]), wait=False)
+                        if release is None:  # no room in the cache now: try again later
+                            break
+                        held[k] = release
+                    k += 1
+                stop.wait(POLL)
+        except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
+            pass
+        finally:
+            for release in held.values():
+                release()

@@ -1,0 +1,229 @@
+"""A dataset read a block at a time (a URL larger than the local cache): :class:`BlockedReader`, generic over the
+formats, which reads each sample from its block's bytes through the format's ``ranged_*`` hooks.
+
+The format computes the dataset's :class:`~packer.formats.layout.Layout` once (cached beside the URL's view);
+blocks are runs of consecutive samples in one file (:func:`~packer.formats.layout.span_blocks`), each fetched as
+one range and kept by a :class:`BlockStore` (``packer.remote.ranges.RemoteBlocks`` for a URL: the node's cache,
+pinned while read). Nothing here knows a URL or a format: ``open_dataset`` joins the two.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import weakref
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import CorruptDataError, UsageError
+from ..system import usable_cores
+from .base import Reader, Sample
+from .layout import LAYOUT_VERSION, Layout, RangeSource, span_blocks
+
+BLOCK_CAP = 64 << 20  # the largest block: a few seconds of decoding on one core
+WINDOW = 4  # make_loader's block_window default: the blocks one window of the order mixes
+KEEP_BLOCKS = 4  # blocks each process keeps mapped: a window's, as a batch mixes them
+
+
+class BlockStore(Protocol):
+    """Where a :class:`BlockedReader` gets its blocks (for a URL: the node's cache, filled by ranged GETs)."""
+
+    def open(self, relpath: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of ``relpath``, valid for as long as they are referenced."""
+        ...
+
+    def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:
+        """Make the block present and keep it until the returned call; None (without ``wait``) when there is no
+        room for it now."""
+        ...
+
+
+class BlockedSource(Protocol):
+    """A dataset to read a block at a time, as the entry point found it (``packer.remote.ranges.BlockedRemote``)."""
+
+    url: str
+    manifest: dict
+    view: Path
+    source: RangeSource
+    store: BlockStore
+    limit: int
+    total: int
+
+    def layout_path(self, version: int) -> Path: ...
+
+
+def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = None, workers: int | None = None,
+                 ranks: int | None = None) -> tuple[int, int]:
+    """The block size for a cache of ``limit`` bytes, and the blocks each rank's loader fetches ahead.
+
+    The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default two
+    windows: the one being read and the next, which prefetched batches reach into), one block per worker
+    process (``workers``, default the node's usable cores: a block is pinned while a worker fetches and maps
+    it) and one more, so ``block = limit // (ranks * fetch_ahead + workers + 1)``, at most ``BLOCK_CAP``
+    (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also keeps ``KEEP_BLOCKS`` blocks
+    mapped, which may outlive their place in the cache (evicted, still mapped).
+    """
+    fetch_ahead = 2 * window if fetch_ahead is None else fetch_ahead
+    workers = usable_cores() if workers is None else workers
+    if ranks is None:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
+    pinned = max(1, ranks) * fetch_ahead + workers + 1
+    return max(1, min(BLOCK_CAP, limit // pinned)), fetch_ahead
+
+
+_SAID: set[str] = set()
+
+
+def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int = WINDOW) -> BlockedReader:
+    """The :class:`BlockedReader` of ``found`` (its format's ``reader_class``): the layout loaded from the
+    cache or computed by the format (then cached), cut into blocks that fit the cache; said once on stderr."""
+    path = found.layout_path(LAYOUT_VERSION)
+    layout = Layout.load(path) if path.exists() else None
+    if layout is None:
+        layout = reader_class.layout(found.manifest, found.source, found.url)
+        layout.save(path)
+    layout.check(int(found.manifest["count"]), [found.source.size(f) for f in layout.files], found.url)
+    block, ahead = block_budget(found.limit, window)
+    reader = BlockedReader(reader_class, found.manifest, layout, found.store, found.url, span_blocks(layout, block),
+                           found.view, ahead)
+    if found.url not in _SAID:
+        _SAID.add(found.url)
+        print(f"packer: {found.url} is {found.total:,} bytes, over cache_limit {found.limit:,}: reading it a block "
+              f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} fetched ahead; "
+              f"shuffle=True reads it as shuffle='blocks', {window} blocks mixed at a time)", file=sys.stderr)
+    return reader
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # this process's blocked readers, whose blocks close_all releases
+
+
+class BlockedReader(Reader):
+    """A dataset read a block at a time from a :class:`BlockStore`, through its format's ``ranged_*`` hooks:
+    the same samples, labels, shapes and checksums as the format's own reader. Each sample's crc32 is always
+    checked (a range carries no sha256). Picklable: a DataLoader worker opens its own blocks.
+
+    Args:
+        format_class: the format's reader class (its hooks read the samples).
+        manifest: the dataset's manifest.
+        layout: its layout (each sample's range, the format's index).
+        store: where the blocks come from.
+        where: the dataset's URL, for messages.
+        starts: the block starts (:func:`~packer.formats.layout.span_blocks`).
+        root: a local folder for this dataset (the cache's view of the URL).
+        fetch_ahead: how many blocks the loader keeps fetched ahead of the batch being read.
+        keep: blocks each process keeps open.
+    """
+
+    HANDLES = ("_blocks", "_lock")
+
+    def __init__(self, format_class: type[Reader], manifest: dict, layout: Layout, store: BlockStore, where: str,
+                 starts: np.ndarray, root: str | os.PathLike, fetch_ahead: int = WINDOW, keep: int = KEEP_BLOCKS):
+        super().__init__(root, manifest=manifest)
+        self.format = format_class.format
+        self.format_class = format_class
+        self.layout = layout
+        self.store = store
+        self.where = where
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.fetch_ahead = fetch_ahead
+        self.keep = max(1, keep)
+        self.spans = np.zeros((0, 3), np.int64) if not len(layout) else np.stack(  # per block: file, start, end
+            [layout.file[self.starts].astype(np.int64), np.minimum.reduceat(layout.start, self.starts),
+             np.maximum.reduceat(layout.end, self.starts)], axis=1)
+        self._blocks: collections.OrderedDict | None = None
+        self._lock: Any = None
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def _open(self) -> None:
+        self._blocks, self._lock = collections.OrderedDict(), threading.Lock()
+        _OPEN.add(self)
+
+    def block_of(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The block of each sample index."""
+        return np.searchsorted(self.starts, np.asarray(indices, dtype=np.int64), side="right") - 1
+
+    def block_range(self, block: int) -> tuple[str, int, int]:
+        """Block ``block``'s file and byte range ``(relpath, start, end)``."""
+        file, start, end = (int(v) for v in self.spans[block])
+        return self.layout.files[file], start, end
+
+    def hold_block(self, block: int, wait: bool = False) -> Callable[[], None] | None:
+        """Fetch block ``block`` ahead and keep it until the returned call (None: no room now)."""
+        return self.store.hold(*self.block_range(block), wait=wait)
+
+    def _range(self, index: int) -> memoryview:
+        """Sample ``index``'s range bytes, from its block (opened, and kept among the last ``keep``)."""
+        self.open()
+        block = int(self.block_of([index])[0])
+        with self._lock:
+            found = self._blocks.get(block)
+            if found is None:
+                found = self._blocks[block] = self.store.open(*self.block_range(block))
+                while len(self._blocks) > self.keep:
+                    self._blocks.popitem(last=False)
+            else:
+                self._blocks.move_to_end(block)
+        offset = int(self.spans[block][1])
+        data = found
+        start, end = int(self.layout.start[index]) - offset, int(self.layout.end[index]) - offset
+        if end > len(data):
+            raise CorruptDataError(f"{self.describe(index)}: its block holds {len(data):,} bytes, fewer than its "
+                                   "range needs; the cached block is damaged: delete the cache folder and retry")
+        return data[start:end]
+
+    def close_blocks(self) -> None:
+        """Let every block this process keeps mapped go (they are mapped again on next use)."""
+        if self._blocks is not None and self._pid == os.getpid():
+            with self._lock:
+                self._blocks.clear()
+
+    @classmethod
+    def close_process_handles(cls) -> None:
+        for reader in list(_OPEN):
+            reader.close_blocks()
+
+    def read(self, index: int) -> Sample:
+        sample = self.format_class.ranged_sample(index, self._range(index), self.layout, self.describe(index))
+        if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
+            raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, the fetched bytes are damaged; run "
+                                   f"`packer verify {self.where}` and re-pack or re-upload")
+        if not self.label_low <= sample.label < self.label_high:
+            raise CorruptDataError(f"{self.describe(index)}: label {sample.label} is not a class index; the dataset "
+                                   f"is damaged, run `packer verify {self.where}`")
+        return sample
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        return self.format_class.ranged_extras(index, self._range(index), self.layout, self.extra_fields,
+                                               self.describe(index))
+
+    def fields_checksum(self, index: int) -> int | None:
+        return self.format_class.ranged_fields_checksum(index, self._range(index), self.layout)
+
+    def read_fields(self, index: int, verify: bool = False) -> dict[str, memoryview | bytes]:
+        """:meth:`Reader.read_fields`, always checked against the fields' checksum."""
+        return super().read_fields(index, True)
+
+    def check_label(self, index: int, label: int) -> None:
+        """Labels are checked against the classes as each sample is read (sample paths are not read)."""
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """The blocks the dataset is fetched by (their size was chosen for the cache when it was opened)."""
+        return self.starts
+
+    def relpath(self, index: int) -> str:
+        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit is read "
+                         "a block at a time; raise cache_limit to the dataset's size to read them")
+
+    def describe(self, index: int) -> str:
+        return f"{self.where}/{self.sample_file(index)} sample {index}"
+
+    def sample_file(self, index: int) -> str:
+        return self.layout.files[int(self.layout.file[index])]

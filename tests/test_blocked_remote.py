@@ -1,0 +1,420 @@
+"""A URL larger than its ``cache_limit``, read a block at a time: blocks are ranges of the data files fetched by
+one ranged GET each into the node's cache, read for two epochs through real DataLoader worker processes with
+``shuffle="blocks"``, against the Range-capable file server (and moto's S3) the suite starts on 127.0.0.1.
+
+Each epoch gives every sample exactly once with its label (compared by pixels with the local dataset), the cache
+stays within its bound while the epoch runs, the server sends each byte about once an epoch, a state saved
+mid-epoch resumes at another world size with exactly the remaining samples, and two processes reading the same
+URL share the cache. Formats whose readers have no byte-range hooks yet are skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import noise_folder
+from packed_support import FORMATS, free_port
+from remote_support import S3Server, serve_files
+
+import packer
+from packer.errors import CorruptDataError, RemoteError
+from packer.fetchahead import block_plan
+from packer.formats import Reader, get_format
+from packer.formats.layout import LocalSource
+from packer.remote.cache import Cache
+from packer.remote.fetch import STATS
+from packer.remote.ranges import RemoteBlocks, RemoteSource, range_name
+from packer.remote.url import parse_url
+from packer.sampler import ResumableSampler
+
+COUNT, SIDE = 480, 16  # 16x16 raw noise images: 768 bytes of pixels each
+BATCH, WORKERS = 16, 2
+PACK = {"lmdb": {}, "hdf5": {}, "wds": {"shard_samples": 120}}
+WORKER = Path(__file__).with_name("blocked_worker.py")
+
+
+def ranged(fmt: str) -> bool:
+    """Whether the format reads by byte ranges (its reader overrides Reader.layout)."""
+    return get_format(fmt)[1].layout.__func__ is not Reader.layout.__func__
+
+
+BLOCKED = [pytest.param(f, marks=pytest.mark.skipif(not ranged(f), reason=f"{f} has no byte-range hooks yet"))
+           for f in FORMATS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_retries():
+    saved = os.environ.get("PACKER_RETRY_BACKOFF")
+    os.environ["PACKER_RETRY_BACKOFF"] = "0.01"
+    yield
+    if saved is None:
+        os.environ.pop("PACKER_RETRY_BACKOFF", None)
+    else:
+        os.environ["PACKER_RETRY_BACKOFF"] = saved
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> Path:
+    """``COUNT`` distinct images in 3 classes, packed raw in every format, in one folder the server serves; and
+    ``parted``: two copies of the LMDB pack under one manifest, as a 2-rank conversion leaves them."""
+    root = tmp_path_factory.mktemp("blocked")
+    noise_folder(root / "src", COUNT, SIDE, "png")
+    for fmt in FORMATS:
+        packer.pack(root / "src", root / "packs" / fmt, fmt, store="raw", progress=False, workers=1, **PACK[fmt])
+    parted, manifest = root / "packs" / "parted", packer.read_manifest(root / "packs" / "lmdb")
+    for r in range(2):
+        shutil.copytree(root / "packs" / "lmdb", parted / f"part-{r:05d}", ignore=shutil.ignore_patterns("*.json"))
+    files = [{**e, "path": f"part-{r:05d}/{e['path']}"} for r in range(2) for e in manifest["files"]]
+    parts = [{"path": f"part-{r:05d}", "count": COUNT, "range": [r * COUNT, (r + 1) * COUNT]} for r in range(2)]
+    (parted / "manifest.json").write_text(json.dumps({**manifest, "count": 2 * COUNT, "files": files,
+                                                      "parts": parts}))
+    return root / "packs"
+
+
+@pytest.fixture(scope="module")
+def server(packs):
+    served = serve_files(packs)
+    yield served
+    served.stop()
+
+
+def digest(image: torch.Tensor) -> str:
+    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def truth(packs) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per format: each local sample's (index, label), by its pixels."""
+    found = {}
+    for fmt in FORMATS:
+        ds = packer.open_dataset(packs / fmt)
+        found[fmt] = {digest(image): (i, label) for i, (image, label) in enumerate(ds[i] for i in range(len(ds)))}
+        assert len(found[fmt]) == COUNT, "the test images are distinct"
+    return found
+
+
+def data_bytes(packs: Path, fmt: str) -> int:
+    return sum(e["bytes"] for e in packer.read_manifest(packs / fmt)["files"])
+
+
+def seen(batches, table: dict[str, tuple[int, int]]) -> list[int]:
+    """The sample index of every image in ``batches``, its label checked against the local dataset's."""
+    out = []
+    for images, labels in batches:
+        for image, label in zip(images, labels.tolist(), strict=True):
+            index, expected = table[digest(image)]
+            assert label == expected, f"sample {index}: label {label}, the local dataset says {expected}"
+            out.append(index)
+    return out
+
+
+class CachePoll:
+    """The most bytes the cache held, sampled on a thread while the block runs."""
+
+    def __init__(self, root: Path):
+        self.cache, self.most, self.stop = Cache(root), 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.002):
+            # the smaller of two counts in a row: one count lists the folders one after another, and may find an
+            # object before it is evicted and, later in the same count, the download that took its room
+            self.most = max(self.most, min(self.cache.used(), self.cache.used()))
+
+    def __enter__(self) -> CachePoll:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def open_blocked(url: str, cache: Path, limit: int, **kwargs) -> packer.PackedDataset:
+    ds = packer.open_dataset(url, cache_dir=cache, cache_limit=limit, **kwargs)
+    assert type(ds.reader).__name__ == "BlockedReader"
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blocks in the cache, without a format
+# --------------------------------------------------------------------------------------------------------------
+def test_a_block_is_one_ranged_get_kept_in_the_cache_as_its_own_object(packs, server, tmp_path):
+    manifest = packer.read_manifest(packs / "lmdb")
+    entry = max(manifest["files"], key=lambda e: e["bytes"])
+    path, data = entry["path"], (packs / "lmdb" / entry["path"]).read_bytes()
+    remote = parse_url(f"{server.url}/lmdb")
+    store = RemoteBlocks(remote, manifest, None, tmp_path / "cache", None)
+    before = server.gets(f"/lmdb/{path}")
+    block = store.open(path, 100, 5000)
+    assert bytes(block) == data[100:5000] and server.gets(f"/lmdb/{path}") == before + 1
+    again = store.open(path, 100, 5000)  # cached: no request
+    assert bytes(again) == data[100:5000] and server.gets(f"/lmdb/{path}") == before + 1
+    assert Cache(tmp_path / "cache").object_path(range_name(entry["sha256"], 100, 5000, len(data))).stat().st_size \
+        == 4900
+    whole = store.open(path, 0, len(data))  # the whole file: the file's own object, sha256 checked
+    assert bytes(whole) == data and Cache(tmp_path / "cache").object_path(entry["sha256"]).exists()
+    source, local = RemoteSource(remote, manifest), LocalSource(packs / "lmdb")
+    ranges = [(path, 0, 64), (path, 10, 20), (path, len(data) - 8, len(data) + 100)]
+    assert source.read_many(ranges) == local.read_many(ranges) and source.size(path) == local.size(path)
+
+
+def test_blocks_are_evicted_lru_within_the_limit_and_never_while_pinned(packs, server, tmp_path):
+    manifest = packer.read_manifest(packs / "lmdb")
+    entry = max(manifest["files"], key=lambda e: e["bytes"])
+    store = RemoteBlocks(parse_url(f"{server.url}/lmdb"), manifest, None, tmp_path / "cache", 10_000)
+    held = [store.hold(entry["path"], k * 4000, (k + 1) * 4000) for k in range(2)]
+    assert store.hold(entry["path"], 8000, 12000, wait=False) is None  # 12,000 bytes: no room, both pinned
+    held[0]()
+    third = store.hold(entry["path"], 8000, 12000, wait=False)  # the first one goes
+    cache = Cache(tmp_path / "cache")
+    assert third is not None and cache.used() <= 10_000
+    assert not cache.object_path(range_name(entry["sha256"], 0, 4000, entry["bytes"])).exists()
+    assert cache.object_path(range_name(entry["sha256"], 4000, 8000, entry["bytes"])).exists()
+
+
+def test_a_child_forked_while_a_block_is_held_does_not_keep_it(packs, server, tmp_path):
+    """A DataLoader worker forked while the loader's thread holds blocks (or a cache lock) must not keep them:
+    a persistent worker would keep them from being evicted (or every process waiting for the lock)."""
+    manifest = packer.read_manifest(packs / "lmdb")
+    entry = max(manifest["files"], key=lambda e: e["bytes"])
+    store = RemoteBlocks(parse_url(f"{server.url}/lmdb"), manifest, None, tmp_path / "cache", 10_000)
+    release = store.hold(entry["path"], 0, 4000)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    try:
+        release()
+        for k in (1, 2):  # 12,000 bytes in all: the first block must go, though the child was forked holding it
+            done = store.hold(entry["path"], k * 4000, (k + 1) * 4000, wait=False)
+            assert done is not None
+            done()
+        assert not Cache(tmp_path / "cache").object_path(range_name(entry["sha256"], 0, 4000, entry["bytes"])).exists()
+    finally:
+        child.terminate()
+        child.join()
+
+
+def test_a_short_range_is_refused_in_one_line(packs, tmp_path):
+    root = tmp_path / "served"
+    (root / "lmdb").mkdir(parents=True)
+    manifest = packer.read_manifest(packs / "lmdb")
+    entry = max(manifest["files"], key=lambda e: e["bytes"])
+    (root / "lmdb" / entry["path"]).write_bytes((packs / "lmdb" / entry["path"]).read_bytes()[:3000])  # truncated
+    served = serve_files(root)
+    try:
+        store = RemoteBlocks(parse_url(f"{served.url}/lmdb"), manifest, None, tmp_path / "cache", None)
+        with pytest.raises(RemoteError) as error:
+            store.open(entry["path"], 2000, 6000)
+        assert "fetched twice" in str(error.value) and "\n" not in str(error.value)
+        assert f"{served.url}/lmdb/{entry['path']}" in str(error.value)
+        assert Cache(tmp_path / "cache").used() == 0
+    finally:
+        served.stop()
+
+
+def test_a_dataset_that_fits_keeps_whole_files_and_one_in_parts_must_fit(packs, server, tmp_path):
+    total = data_bytes(packs, "lmdb")
+    ds = packer.open_dataset(f"{server.url}/lmdb", cache_dir=tmp_path / "cache", cache_limit=2 * total)
+    assert type(ds.reader).__name__ != "BlockedReader" and len(ds) == COUNT
+    with pytest.raises(RemoteError) as error:
+        packer.open_dataset(f"{server.url}/parted", cache_dir=tmp_path / "cache", cache_limit=total)
+    assert "converted in parts" in str(error.value) and "raise cache_limit" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_damaged_bytes_are_one_line_naming_the_url_and_file(fmt, packs, tmp_path):
+    shutil.copytree(packs / fmt, tmp_path / "served" / fmt)
+    served = serve_files(tmp_path / "served")
+    try:
+        url = f"{served.url}/{fmt}"
+        ds = open_blocked(url, tmp_path / "cache", data_bytes(packs, fmt) // 8)
+        layout, index = ds.reader.layout, 77
+        path = tmp_path / "served" / fmt / layout.files[int(layout.file[index])]
+        data = bytearray(path.read_bytes())
+        for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):
+            data[at] ^= 0xFF  # in its range: the payload's first bytes, and wherever its middle lies
+        path.write_bytes(bytes(data))  # the manifest's sha256 no longer holds: ranges are checked by crc32
+        with pytest.raises(CorruptDataError) as error:
+            ds[index]
+        assert f"{url}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
+        assert "\n" not in str(error.value)
+    finally:
+        served.stop()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading a dataset 8x larger than the cache
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_two_epochs_through_workers_every_sample_once_within_the_cache(fmt, packs, server, truth, tmp_path, capfd):
+    total = data_bytes(packs, fmt)
+    limit = total // 8
+    cache = tmp_path / "cache"
+    ds = open_blocked(f"{server.url}/{fmt}", cache, limit)
+    said = capfd.readouterr().err
+    assert "a block at a time" in said and len(said.strip().splitlines()) == 1
+    block = int((ds.reader.spans[:, 2] - ds.reader.spans[:, 1]).max())
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, seed=3)
+    assert "shuffle='blocks'" in capfd.readouterr().err and loader.sampler.shuffle == "blocks"
+    orders = []
+    for _ in range(2):
+        sent = server.sent
+        with CachePoll(cache) as poll:
+            orders.append(seen(loader, truth[fmt]))
+        assert sorted(orders[-1]) == list(range(COUNT))
+        assert poll.most <= limit + WORKERS * block, (poll.most, limit, block)
+        assert server.sent - sent <= 1.1 * total, (server.sent - sent, total)
+    assert orders[0] != orders[1]
+    in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
+    assert seen(in_order, truth[fmt]) == [truth[fmt][digest(ds[i][0])][0] for i in range(COUNT)]
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets: no open block, its own on first read
+    assert copy.reader._blocks is None and digest(copy[5][0]) == digest(ds[5][0])
+
+
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_a_mid_epoch_state_resumes_at_another_world_size(fmt, packs, server, truth, tmp_path):
+    url, cache, limit = f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8
+    ds = open_blocked(url, cache, limit)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle="blocks", seed=1)
+    first = []
+    iterator = iter(loader)
+    for _ in range(7):
+        first.append(next(iterator))
+    state = loader.state_dict()
+    del iterator
+    taken = seen(first, truth[fmt])
+    rest = []
+    for rank in range(2):  # the rest of the epoch over two ranks
+        again = open_blocked(url, cache, limit)
+        sampler = ResumableSampler(again, batch_size=BATCH, shuffle="blocks", seed=1, num_replicas=2, rank=rank,
+                                   blocks=again.blocks())
+        resumed = packer.make_loader(again, batch_size=BATCH, num_workers=WORKERS, sampler=sampler)
+        resumed.load_state_dict(state)
+        rest.append(seen(resumed, truth[fmt]))
+    assert len(rest[0]) == len(rest[1])
+    remaining = rest[0] + rest[1]
+    padded = len(remaining) - (COUNT - len(taken))  # DistributedSampler's padding: at most one sample a rank
+    assert 0 <= padded <= 1
+    assert sorted(set(taken) | set(remaining)) == list(range(COUNT)) and not set(taken) & set(remaining)
+
+
+CHILD = """
+import hashlib, json, pathlib, sys, time
+import packer
+ds = packer.open_dataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))
+loader = packer.make_loader(ds, batch_size=16, num_workers=1, shuffle=True)
+batches = iter(loader)  # the worker started
+pathlib.Path(sys.argv[4]).touch()
+while len(list(pathlib.Path(sys.argv[4]).parent.glob("ready-*"))) < 2:  # both start reading at once
+    time.sleep(0.01)
+digests = [hashlib.sha1(im.contiguous().numpy().tobytes()).hexdigest() for ims, _ in batches for im in ims]
+print(json.dumps(sorted(digests)))
+"""
+
+
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_two_processes_reading_one_url_share_the_cache(fmt, packs, server, truth, tmp_path):
+    url, cache, total = f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt)
+    open_blocked(url, cache, total // 4)  # the layout, computed once for both
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    sent = server.sent
+    args = [url, str(cache), str(total // 4)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, *args, str(tmp_path / f"ready-{k}")], text=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    for out, _ in outs:
+        assert json.loads(out) == sorted(truth[fmt])
+    assert server.sent - sent <= 1.25 * total, (server.sent - sent, total)  # each block about once, not twice
+
+
+def test_s3_two_epochs_within_the_cache(packs, truth, tmp_path):
+    fmt = next((f for f in FORMATS if ranged(f)), None)
+    if fmt is None:
+        pytest.skip("no format has byte-range hooks yet")
+    s3 = S3Server()
+    try:
+        url = f"s3://bucket/blocked/{fmt}"
+        packer.pack(packs.parent / "src", url, fmt, store="raw", progress=False, workers=1, **PACK[fmt])
+        limit = data_bytes(packs, fmt) // 8
+        ds = open_blocked(url, tmp_path / "cache", limit)
+        loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
+        for _ in range(2):
+            with CachePoll(tmp_path / "cache") as poll:
+                assert sorted(seen(loader, truth[fmt])) == list(range(COUNT))
+            assert poll.most <= limit + WORKERS * int((ds.reader.spans[:, 2] - ds.reader.spans[:, 1]).max())
+    finally:
+        s3.stop()
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_read_every_sample_once_an_epoch(packs, server, truth, tmp_path):
+    fmt = next((f for f in FORMATS if ranged(f)), None)
+    if fmt is None:
+        pytest.skip("no format has byte-range hooks yet")
+    url, limit = f"{server.url}/{fmt}", data_bytes(packs, fmt) // 8
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(WORKER), url, str(tmp_path / "cache"), str(limit), str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        batches = [len(r["epochs"][epoch]) for r in ranks]
+        assert batches[0] == batches[1]
+        pairs = [pair for r in ranks for batch in r["epochs"][epoch] for pair in batch]
+        assert all(truth[fmt][d][1] == label for d, label in pairs)
+        counts = collections.Counter(d for d, _ in pairs)
+        assert set(counts) == set(truth[fmt]) and len(pairs) - COUNT <= 1  # padding: at most one repeat
+    assert max(r["most"] for r in ranks) <= limit + 2 * max(r["block"] for r in ranks)  # one worker a rank
+
+
+def fetch_ahead_threads() -> list[threading.Thread]:
+    """The fetch-ahead threads still alive after a short wait (they look at the batches every 10 ms)."""
+    for _ in range(100):
+        found = [t for t in threading.enumerate() if t.name == "packer-fetch-ahead"]
+        if not found:
+            return []
+        time.sleep(0.02)
+    return found
+
+
+def test_block_plan_orders_blocks_by_first_read_with_their_last_batch():
+    order, last = block_plan(np.array([0, 0, 1, 0, 2, 2, 1]), 2)  # batches 0 0 1 1 2 2 3
+    assert order.tolist() == [0, 1, 2] and last.tolist() == [1, 3, 2]
+
+
+def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(packs, server, truth, tmp_path):
+    fmt = next((f for f in FORMATS if ranged(f)), None)
+    if fmt is None:
+        pytest.skip("no format has byte-range hooks yet")
+    ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
+    before = STATS["requests"]
+    assert sorted(seen(loader, truth[fmt])) == list(range(COUNT))
+    assert STATS["requests"] > before  # blocks fetched ahead by this process (its workers fetch what is not)
+    assert fetch_ahead_threads() == []  # the pass ended: so did its thread, releasing its pins
+    iterator = iter(loader)
+    next(iterator)
+    assert [t.name for t in threading.enumerate()].count("packer-fetch-ahead") == 1
+    del iterator  # a loop that breaks out: the thread ends too
+    assert fetch_ahead_threads() == []
+    quiet = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, fetch_ahead=0)
+    before = STATS["requests"]
+    assert sorted(seen(quiet, truth[fmt])) == list(range(COUNT))
+    assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves
