@@ -94,8 +94,10 @@ def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int =
                            found.view, ahead)
     if found.url not in _SAID:
         _SAID.add(found.url)
-        print(f"packer: {found.url} is {found.total:,} bytes, over cache_limit {found.limit:,}: reading it a block "
-              f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} fetched ahead; "
+        budget = getattr(found, "budget", "cache_limit")  # the argument that set limit (page_budget: local)
+        print(f"packer: {found.url} is {found.total:,} bytes, over {budget} {found.limit:,}: reading it a block "
+              f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} "
+              f"{'read' if budget == 'page_budget' else 'fetched'} ahead; "
               f"shuffle=True reads it as shuffle='blocks', {window} blocks mixed at a time)", file=sys.stderr)
     return reader
 
