@@ -1,16 +1,19 @@
 """Fetch ahead, release behind, for a dataset read a block at a time (a URL larger than the local cache).
 
 While a loader's pass runs, a thread of the main process knows this rank's coming blocks (from the pass's
-sample order, the same positions the batches come from) and, as the caller receives batches, keeps the next
-``ahead`` blocks fetched and held (pinned in the cache) and lets each one go once the last batch that reads it
-has been received. Correctness never depends on it: a worker that needs a block not yet there fetches it itself
-(the cache makes one process fetch, the others wait). When the cache has no room the thread waits; it stops
-with the pass, when the caller drops the iterator, or when the loader starts another pass.
+sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks beyond the batches
+handed to the decoders (worker processes or threads) fetched and held (pinned in the cache), and lets each one
+go once the last batch that reads it has been received by the caller; it never holds more than ``ahead``
+blocks (those of batches in flight included), which the block size leaves room for. Correctness never depends on
+it: a worker that needs a block not yet there fetches it itself (the cache makes one process fetch, the others
+wait). When the cache has no room the thread waits; it stops with the pass, when the caller drops the iterator,
+or when the loader starts another pass.
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,6 +31,16 @@ def _stop_all() -> None:
     abort the process)."""
     for fetching in list(_RUNNING):
         fetching.stop()
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` on stderr, once per process."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def blocked_reader(dataset: Any) -> Any | None:
@@ -50,8 +63,9 @@ def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndar
 
 
 class FetchAhead:
-    """The thread that fetches ``ahead`` blocks ahead of the batches received (``progress.received``) and
-    releases them behind, for one pass (``indices``: this rank's samples, in order).
+    """The thread that fetches ``ahead`` blocks ahead of the batches handed to the decoders (``handed()``) and
+    releases them behind the batches received (``progress.received``), for one pass (``indices``: this rank's
+    samples, in order).
 
     Args:
         reader: the blocked reader (``block_of``, ``hold_block``).
@@ -59,15 +73,18 @@ class FetchAhead:
         batch_size: samples per batch.
         progress: the pass's :class:`~packer.state.Progress` (batches received so far).
         owner: the iterator the caller holds: when it is garbage-collected, the thread stops.
-        ahead: how many blocks to keep held.
+        ahead: how many blocks to hold at most (beyond the batches handed out, where it can).
+        handed: the batches handed to the decoders so far (default: those received).
     """
 
-    def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int):
+    def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int,
+                 handed: Callable[[], int] | None = None):
         self.order, self.last = block_plan(reader.block_of(indices), batch_size)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
                                        args=(reader.hold_block, self.order, self.last, progress,
-                                             weakref.ref(owner), max(0, ahead), self.stop_event))
+                                             handed or (lambda: progress.received), weakref.ref(owner),
+                                             max(0, ahead), self.stop_event))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -79,19 +96,20 @@ class FetchAhead:
 
     @staticmethod
     def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
-             owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
-        held: dict[int, Callable[[], None]] = {}
-        passed = 0  # blocks of ``order`` before this one are all read
+             handed: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
+        held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
+        passed = 0  # the blocks of ``order`` before this one are handed out whole
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
                 received = progress.received
+                frontier = max(received, handed())
                 for k in [k for k in held if last[k] < received]:  # every batch that reads it was received
                     held.pop(k)()
-                while passed < len(order) and last[passed] < received:
+                while passed < len(order) and last[passed] < frontier:
                     passed += 1
                 k = passed
                 while len(held) < ahead and k < len(order) and not stop.is_set():
-                    if last[k] >= received and k not in held:
+                    if last[k] >= frontier and k not in held:
                         release = hold(int(order[k]), wait=False)
                         if release is None:  # no room in the cache now: try again later
                             break

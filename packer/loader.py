@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
-from .fetchahead import FetchAhead, blocked_reader
+from .fetchahead import FetchAhead, blocked_reader, say_once
 from .fieldbatch import FieldBatch
 from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
@@ -184,7 +184,9 @@ class PrefetchLoader(DataLoader):
         reader = blocked_reader(self.dataset)
         if reader is not None and epoch_pass.per_rank:  # started after any worker forked: they hold none of it
             ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
-            self._fetching = FetchAhead(reader, epoch_pass.indices(), self.batch_size, self._received, counting, ahead)
+            started, batch = sampler.passes, self.batch_size  # handed out: this pass's batches, once it started
+            self._fetching = FetchAhead(reader, epoch_pass.indices(), batch, self._received, counting, ahead,
+                                        lambda: sampler.yielded // batch if sampler.passes > started else 0)
         return counting
 
     def _restart_untouched(self, sampler: ResumableSampler) -> None:
@@ -431,8 +433,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     arguments.optional_int("fetch_ahead", fetch_ahead, 0)
     if shuffle is True and blocked_reader(dataset) is not None:
-        print(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
-              f"(shuffle='blocks', {block_window} blocks mixed at a time)", file=sys.stderr)
+        say_once(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
+                 f"(shuffle='blocks', {block_window} blocks mixed at a time)")
         shuffle = BLOCKS
     batch_size = 64 if batch_size is None else batch_size
     ours = {"collate_fn": (collate,), "worker_init_fn": (None, seed_worker)}  # packer's own: not the caller's

@@ -190,6 +190,17 @@ class ResumableSampler(Sampler[EpochIndex]):
         self._resume_at = 0  # where the next pass starts in the global order: not 0 after a load_state_dict
         self._current: EpochPass | None = None
         self._yielded = 0
+        self._passes = 0
+
+    @property
+    def yielded(self) -> int:
+        """Samples of the current pass yielded so far: handed to the batch sampler, so to whoever decodes them."""
+        return self._yielded
+
+    @property
+    def passes(self) -> int:
+        """How many passes have started (a pass starts at its first index)."""
+        return self._passes
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``. A loaded mid-epoch position is kept only for its own epoch."""
@@ -214,6 +225,7 @@ class ResumableSampler(Sampler[EpochIndex]):
         epoch_pass = self.next_pass()
         self._next_epoch, self._resume_at = epoch_pass.epoch + 1, 0
         self._current, self._yielded = epoch_pass, 0
+        self._passes += 1
         for index in epoch_pass.indices():
             self._yielded += 1
             yield EpochIndex(index, epoch_pass.epoch)

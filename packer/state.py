@@ -40,6 +40,7 @@ class StateSchema:
         settings: the keys and values that must match the loader that loads the state.
         free: other keys the state holds that need not match (``world_size`` of an elastic resume): a positive
             int each.
+        version: the state's ``version`` (a loader whose state changes meaning bumps its own).
     """
 
     what: str
@@ -47,6 +48,7 @@ class StateSchema:
     limit: int
     settings: Mapping[str, Any]
     free: tuple[str, ...] = ()
+    version: int = STATE_VERSION
 
     def keys(self) -> set[str]:
         return {"version", "epoch", self.position, *self.settings, *self.free}
@@ -60,8 +62,8 @@ def check_state(state: Any, schema: StateSchema) -> tuple[int, int]:
             or range (each named), or a setting that differs from this loader's (it says which).
     """
     what = schema.what
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-        raise ValueError(f"not a packer {what} state (version {STATE_VERSION}): {str(state)[:200]}; pass what "
+    if not isinstance(state, Mapping) or state.get("version") != schema.version:
+        raise ValueError(f"not a packer {what} state (version {schema.version}): {str(state)[:200]}; pass what "
                          f"state_dict() returned")
     for key, mine in schema.settings.items():  # first: a different setting explains a different set of keys
         if key not in state:

@@ -1,61 +1,59 @@
-"""``packer.stream``: sequential reading of a packed dataset's WebDataset shards, resumable mid-epoch.
+"""``packer.stream``: sequential reading of a packed dataset's WebDataset shards, resumable mid-epoch at any world
+size and number of workers.
 
-Each epoch deals the shards (shuffled from ``(seed, epoch)``) to the ranks in turn, and each rank's shards to its
-streams (one per worker process) in turn. A stream reads its shards in order, through a shuffle buffer seeded
-from ``(seed, epoch, rank, stream)``, and makes batches. The DataLoader hands the streams' batches out in turn
-(skipping a stream that has ended), so the k-th batch of an epoch is a pure function of the settings and k: the
-state is ``{epoch, batches}``, and a resumed epoch replays, without decoding, what its shards gave before.
+Each epoch has one global order of the samples, a pure function of ``(seed, epoch)``: the block-aware order of
+:mod:`packer.blocks` over the shards, which visits the shards in a random order and mixes the samples of each
+``window`` consecutive shards of it (without shuffle: the packed order). The ranks take it a step at a time
+(:func:`packer.blocks.deal_steps`: each step, ``batch_size * world`` positions grouped by shard, so each rank
+reads its own shards, and every rank takes as many batches). A rank's batches go to its streams (one per worker
+process) in turn; a stream reads the shards its batches need from start to end, once each, keeping only those
+samples, and hands its batches out in order. The state is ``{epoch, samples_seen}``: the positions of the order
+taken by every rank so far, the same at any world size and number of workers.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import arguments
+from .blocks import block_order, deal_steps, layout
 from .errors import PackerError, UsageError, carried, uncrossed
 from .fetchable import Fetchable, fetched
 from .fields import Field
 from .formats import Reader, StreamSample, reader_class
 from .manifest import read_local_manifest
-from .sampler import distributed_rank_world
-from .state import STATE_VERSION, CountingIterator, Progress, StateSchema, check_state
+from .sampler import EpochPass, distributed_rank_world
+from .state import CountingIterator, Progress, StateSchema, check_state
 from .streamdecode import StreamDecoder
 from .system import die_with_parent, usable_cores
 
-# settings a stream state must share with the stream that loads it: they fix which batch comes when
-_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "world_size", "workers")
+# a stream state counts the samples of one global order; version 1 counted batches per rank and worker
+STREAM_STATE_VERSION = 2
+# settings a stream state must share with the stream that loads it: they fix the order and the batches
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "window", "blocks")
+Shard = tuple[Path | Fetchable, int]  # a shard and its sample count
 
 
-def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader]
-                  ) -> Iterator[StreamSample]:
+def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader],
+                  wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
     """The samples of a shard, read sequentially by its format (:meth:`~packer.formats.Reader.stream_file`); a
-    remote shard from its cached copy, held only while it is read."""
+    remote shard from its cached copy, held only while it is read. Those ``wanted`` declines are None."""
     with fetched(shard) as local:
-        yield from reader.stream_file(local, extras, shard)
+        yield from reader.stream_file(local, extras, shard, wanted)
 
 
-def buffer_shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
-    """``items`` through a shuffle buffer of ``size``: once it is full, a random one out for each one read."""
-    buffer: list = []
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        k = int(rng.integers(len(buffer)))
-        yield buffer[k]
-        buffer[k] = item
-    while buffer:
-        k = int(rng.integers(len(buffer)))
-        buffer[k], buffer[-1] = buffer[-1], buffer[k]
-        yield buffer.pop()
+def shard_window(buffer: int, counts: Sequence[int]) -> int:
+    """How many consecutive shards of an epoch's shard order are mixed together: as many as hold ``buffer``
+    samples on average (at least one, at most all). ``counts``: the samples of each non-empty shard."""
+    total = sum(counts)
+    return max(1, min(len(counts), buffer * len(counts) // total)) if total else 1
 
 
 def _die_with_parent(worker_id: int) -> None:
@@ -63,102 +61,94 @@ def _die_with_parent(worker_id: int) -> None:
     die_with_parent()
 
 
-class StreamPlan:
-    """One epoch of this rank: the shards each of its streams reads, and the batches each makes."""
-
-    def __init__(self, shards: list[tuple[Path | Fetchable, int]], epoch: int, settings: dict[str, Any], rank: int,
-                 world: int):
-        order = list(range(len(shards)))
-        if settings["shuffle"]:
-            generator = torch.Generator().manual_seed(settings["seed"] + epoch)
-            order = torch.randperm(len(shards), generator=generator).tolist()
-        streams = max(settings["workers"], 1)
-        size = settings["batch_size"]
-
-        def batches(count: int) -> int:
-            return count // size if settings["drop_last"] else math.ceil(count / size)
-
-        every = [[shards[i] for i in order[r::world][s::streams]] for r in range(world) for s in range(streams)]
-        per_stream = [batches(sum(n for _, n in stream)) for stream in every]
-        self.epoch, self.rank = epoch, rank
-        self.shards = every[rank * streams:(rank + 1) * streams]
-        self.stream_batches = per_stream[rank * streams:(rank + 1) * streams]
-        # every rank stops after the fewest batches any rank has, so that all ranks take as many steps
-        self.batches = min(sum(per_stream[r * streams:(r + 1) * streams]) for r in range(world))
-
-    def taken(self, batches: int) -> list[int]:
-        """How many batches each stream has made when ``batches`` have been handed out (in turn, skipping the
-        streams that have ended)."""
-        taken = [0] * len(self.stream_batches)
-        left = min(batches, sum(self.stream_batches))
-        while left > 0:
-            for s, total in enumerate(self.stream_batches):
-                if left > 0 and taken[s] < total:
-                    taken[s] += 1
-                    left -= 1
-        return taken
+def rank_batches(plan: EpochPass) -> list[np.ndarray]:
+    """The sample indices of each batch a rank takes in a pass (``plan.blocks``: the first sample of each
+    shard). Shuffled: the block order of the shards with a window of ``plan.window``; else the packed order."""
+    if plan.per_rank == 0:
+        return []
+    if plan.shuffle:
+        order, place = block_order(plan.blocks, plan.length, plan.window, plan.seed, plan.epoch)
+    else:
+        order = np.arange(plan.length, dtype=np.int64)
+        place = np.repeat(np.arange(len(plan.blocks)), np.diff(np.append(plan.blocks, plan.length)))
+    taken = order[deal_steps(place, plan.start, plan.per_rank, plan.batch_size, plan.world, plan.rank)]
+    return [taken[k:k + plan.batch_size] for k in range(0, len(taken), plan.batch_size)]
 
 
 class ShardStreams(IterableDataset):
-    """This rank's streams for one epoch; each worker process (or the main process) runs one. The first
-    ``skip[s]`` batches of stream ``s`` are replayed without decoding. The first worker runs stream ``first``,
-    so that a resumed epoch hands the streams' batches out in the uninterrupted epoch's turn."""
+    """This rank's batches for one pass; each worker process (or the main process) makes every ``workers``-th
+    one, reading the shards they need from start to end, each once: their samples' members, and only the
+    headers of the others'."""
 
-    def __init__(self, settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *, reader: type[Reader]):
-        self.settings, self.decoder, self.buffer = settings, decoder, buffer
+    def __init__(self, shards: list[Shard], decoder: StreamDecoder, *, reader: type[Reader]):
+        self.shards = shards  # the non-empty shards, in the manifest's order: the blocks of the order
+        self.decoder = decoder
         self.reader = reader  # the format's reader class, whose stream_file reads a shard
         self.extras = decoder.fields.extras  # the fields read from each sample's members beyond image and label
-        self.plan: StreamPlan | None = None
-        self.skip: list[int] = []
-        self.first = 0
+        self.plan: EpochPass | None = None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
-        stream = (self.first + (info.id if info is not None else 0)) % len(self.plan.shards)
-        batches = self._batches(stream)
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        batches = self._batches(rank_batches(self.plan)[worker::workers])
         return batches if info is None else carried(batches)  # an error crosses to the caller as itself
 
-    def _batches(self, stream: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        plan, settings = self.plan, self.settings
-        samples = (s for path, _ in plan.shards[stream] for s in shard_samples(path, self.extras, self.reader))
-        if settings["shuffle"]:
-            rng = np.random.default_rng([settings["seed"], plan.epoch, plan.rank, stream])
-            samples = buffer_shuffled(samples, self.buffer, rng)
-        size = settings["batch_size"]
-        skip, batch = self.skip[stream] * size, []
-        for n, sample in enumerate(samples):
-            if n < skip:
-                continue
-            batch.append(sample)
-            if len(batch) == size:
-                yield self._decode(batch)
-                batch = []
-        if batch and not settings["drop_last"]:
-            yield self._decode(batch)
+    def _batches(self, mine: list[np.ndarray]) -> Iterator[Any]:
+        uses = Counter(int(i) for batch in mine for i in batch)
+        held: dict[int, StreamSample] = {}
+        for batch in mine:
+            samples = []
+            for i in batch.tolist():
+                if i not in held:
+                    self._read(int(np.searchsorted(self.plan.blocks, i, side="right")) - 1, uses, held)
+                samples.append(held[i])
+                uses[i] -= 1
+                if not uses[i]:
+                    del held[i]
+            yield self.decoder.batch(samples, self.plan.epoch)
 
-    def _decode(self, batch: list) -> Any:
-        """A batch through the decode path :func:`packer.open_dataset` uses, with this epoch's augmentation."""
-        return self.decoder.batch(batch, self.plan.epoch if self.plan is not None else 0)
+    def _read(self, block: int, uses: Counter, held: dict[int, StreamSample]) -> None:
+        """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
+        shard, count = self.shards[block]
+        first, n = int(self.plan.blocks[block]), 0
+        for n, sample in enumerate(shard_samples(shard, self.extras, self.reader, lambda k: uses[first + k] > 0), 1):
+            if n > count or sample is None:  # the samples of other streams are skipped, not read
+                continue
+            key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
+            if key.isascii() and key.isdigit() and int(key) != first + n - 1:
+                raise PackerError(f"{shard}: holds sample {key} where the manifest's shard counts place sample "
+                                  f"{first + n - 1}; the dataset is damaged, run `packer verify`")
+            held[first + n - 1] = sample
+        if n != count:
+            raise PackerError(f"{shard}: holds {'more' if n > count else n} samples, the manifest says {count}; "
+                              "run `packer verify`")
 
 
 class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
-    at the batch, replaying (without decoding) what the interrupted epoch's shards gave before it."""
+    at the batch, at any world size and number of workers."""
 
-    def __init__(self, shards: list[tuple[Path | Fetchable, int]], settings: dict[str, Any], decoder: StreamDecoder,
-                 buffer: int, *, reader: type[Reader]):
-        self.shards = shards
+    def __init__(self, shards: list[Shard], settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *,
+                 reader: type[Reader]):
+        shards = [(shard, count) for shard, count in shards if count > 0]  # an empty shard is no block
+        counts = [count for _, count in shards]
+        self.starts = np.cumsum([0, *counts[:-1]], dtype=np.int64) if counts else np.zeros(0, np.int64)
         self.rank, self.world = distributed_rank_world()
-        self.settings = dict(settings, world_size=self.world)
-        self.dataset = ShardStreams(self.settings, decoder, buffer, reader=reader)
+        self.workers = settings["workers"]
+        self.settings = {key: settings[key] for key in ("batch_size", "seed", "shuffle", "drop_last",
+                                                        "dataset_length")}
+        self.settings.update(window=shard_window(buffer, counts), blocks=layout(self.starts))
+        self.dataset = ShardStreams(shards, decoder, reader=reader)
         self.epoch, self.resume_at = 0, 0
         self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
-    def _plan(self) -> StreamPlan:
-        return StreamPlan(self.shards, self.epoch, self.settings, self.rank, self.world)
+    def _plan(self) -> EpochPass:
+        s = self.settings
+        return EpochPass(self.epoch, self.resume_at, self.world, self.rank, s["dataset_length"], s["batch_size"],
+                         s["seed"], s["shuffle"], s["drop_last"], self.starts, s["window"])
 
     def __len__(self) -> int:
-        return self._plan().batches - self.resume_at
+        return self._plan().batches
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``; a loaded mid-epoch position is kept only for its own epoch."""
@@ -167,19 +157,15 @@ class StreamLoader:
         self.epoch = epoch
         self._received = None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        plan, start = self._plan(), self.resume_at
+    def __iter__(self) -> Iterator[Any]:
+        plan = self._plan()
         self.epoch, self.resume_at = plan.epoch + 1, 0
-        self._received = Progress(plan, max(plan.batches - start, 0), start)
-        taken = plan.taken(start)
-        going = [s for s, t in enumerate(taken) if t < plan.stream_batches[s]]
-        rounds = min((taken[s] for s in going), default=0)
-        self.dataset.plan, self.dataset.skip = plan, taken
-        self.dataset.first = next((s for s in going if taken[s] == rounds), 0)  # whose turn it is
-        return CountingIterator(self._handed_out(self._received.total), self._received)
+        self._received = Progress(plan, plan.batches, plan.start)
+        self.dataset.plan = plan
+        return CountingIterator(self._handed_out(plan.batches), self._received)
 
     def _handed_out(self, batches: int) -> Iterator:
-        workers = self.settings["workers"]
+        workers = self.workers
         loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=4 if workers else None,
                             worker_init_fn=_die_with_parent if workers else None)
@@ -189,28 +175,36 @@ class StreamLoader:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """``{epoch, batches (handed out in that epoch), settings}``, JSON-serialisable. After an epoch's last
-        batch it is the start of the next epoch."""
+        """``{epoch, samples_seen (positions of the epoch's order every rank has taken together), world_size,
+        settings}``, JSON-serialisable. After an epoch's last batch it is the start of the next epoch."""
         if self._received is None:
-            epoch, batches = self.epoch, self.resume_at
+            epoch, seen = self.epoch, self.resume_at
         else:
             progress = self._received
-            epoch, batches = progress.plan.epoch, progress.start + progress.received
+            plan = progress.plan
+            epoch, seen = plan.epoch, plan.start + progress.received * plan.batch_size * plan.world
             if progress.finished:
-                epoch, batches = epoch + 1, 0
-        return {"version": STATE_VERSION, "kind": "stream", "epoch": epoch, "batches": batches, **self.settings}
+                epoch, seen = epoch + 1, 0
+        return {"version": STREAM_STATE_VERSION, "kind": "stream", "epoch": epoch, "samples_seen": seen,
+                "world_size": self.world, **self.settings}
 
     def _schema(self) -> StateSchema:
         settings = {"kind": "stream", **{key: self.settings[key] for key in _MUST_MATCH}}
-        return StateSchema("stream", "batches", self.settings["dataset_length"], settings)
+        return StateSchema("stream", "samples_seen", self.settings["dataset_length"], settings,
+                           free=("world_size",), version=STREAM_STATE_VERSION)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next iteration the rest of ``state``'s epoch.
+        """Make the next iteration the rest of ``state``'s epoch, at this world size and number of workers.
 
         Raises:
-            ValueError: (one line) not a stream state, a damaged one (a missing, unknown or mistyped key, each
-                named), or one taken with other settings (it names which).
+            ValueError: (one line) not a stream state, one of an older packer (its epoch must restart), a damaged
+                one (a missing, unknown or mistyped key, each named), or one taken with other settings (it names
+                which).
         """
+        if isinstance(state, dict) and state.get("kind") == "stream" and state.get("version") == 1:
+            raise ValueError(f"the stream state was saved by an older packer (version 1, counting batches per rank "
+                             f"and worker) and cannot resume exactly; restart its epoch: "
+                             f"loader.set_epoch({state.get('epoch')!r})")
         self.epoch, self.resume_at = check_state(state, self._schema())
         self._received = None
 
@@ -239,9 +233,14 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     dataset with other fields gives dict batches as :func:`packer.make_loader` does (images and masks stacked,
     numbers stacked, text, JSON and variable-length vectors as lists), and ``fields=`` a tuple in that order.
 
-    Every sample comes once per epoch on one rank; shards are reshuffled every epoch and samples mixed through a
-    shuffle buffer. Under ``torch.distributed`` each rank reads its own shards, and every rank stops after the
-    fewest batches any rank has, so that all take the same number of steps.
+    Every sample comes once per epoch, in one global order fixed by ``(seed, epoch)``: the shards in a random
+    order, the samples of each window of consecutive shards (about ``buffer`` samples) mixed together. Under
+    ``torch.distributed`` the ranks take that order a step of ``batch_size * world size`` samples at a time, each
+    rank the samples of its own shards of the step, so that every rank takes as many batches (padded with the
+    epoch's first samples, as ``DistributedSampler`` does, unless ``drop_last``). The state is ``{epoch,
+    samples_seen}``: a stream saved at one world size and number of workers resumes exactly at any other.
+    Shards are read sequentially, each whole; a stream (worker process) reads the shards its batches need and
+    keeps only their samples, about ``buffer / (world size * workers)`` at a time.
 
     Images decode through :func:`packer.open_dataset`'s decode path, straight into the batch tensor, with the same
     read-time options: ``resize``/``center_crop`` (the same pixels as ``open_dataset``'s), or
@@ -253,13 +252,16 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
 
     Args:
         root: a dataset packed with ``--format wds``.
-        batch_size: samples per batch; each stream's last batch may be smaller, unless ``drop_last``.
-        shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (with one stream).
-        num_workers: worker processes, each reading its own shards (default: the usable cores; 0: this process).
+        batch_size: samples per batch; each rank's last batch may be smaller, unless ``drop_last``.
+        shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (under
+            ``torch.distributed``, its batches dealt to the ranks in turn).
+        num_workers: worker processes, each making every ``num_workers``-th batch (default: the usable cores;
+            0: this process). A saved state resumes at any number.
         seed: the shuffles' and the augmentation's seed, the same on every rank.
         mode: the PIL mode images are decoded to.
-        drop_last: drop each stream's last partial batch.
-        buffer: samples in each stream's shuffle buffer.
+        drop_last: drop each rank's last partial batch (and never pad with repeated samples).
+        buffer: about how many samples are mixed together: the window is as many whole shards as hold that many
+            on average (at least one shard).
         storage_options, cache_dir, cache_limit: for a URL ``root``: each shard is fetched into the cache when
             its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
             may be below the dataset's size (it must hold one shard per worker).
@@ -272,7 +274,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         ValueError: (one line) an argument of the wrong type or range, naming it.
 
     Returns:
-        A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch.
+        A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch (a state of an
+        older packer's stream, version 1, is refused in one line: restart its epoch).
     """
     arguments.int_at_least("batch_size", batch_size, 1)
     arguments.flag("shuffle", shuffle)
@@ -297,6 +300,9 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")
     shards = [(files[path] if files is not None else root / path, count) for path, count in entries]
+    if sum(count for _, count in shards) != int(manifest["count"]):
+        raise PackerError(f"{root}/manifest.json: its shards hold {sum(count for _, count in shards)} samples, its "
+                          f"count says {manifest['count']}; the dataset is damaged, re-pack")
     workers = usable_cores() if num_workers is None else num_workers
     if files is not None and cache:
         _check_cache_limit(cache_limit, [files[path].entry["bytes"] for path, _ in entries], max(workers, 1))

@@ -1,12 +1,13 @@
-"""One process of a resume test (test_resume_loader.py): ``resume_worker.py JOBS.json``, run plainly or under
-``torchrun``. Each job makes ``packer.make_loader`` over a dataset, loads a saved state (if any), iterates up to
-a stop point or to the end of epoch ``epochs - 1``, saves the state there and writes what it saw.
+"""One process of a resume test (test_resume_loader.py, test_stream_elastic.py): ``resume_worker.py JOBS.json``,
+run plainly or under ``torchrun``. Each job makes ``packer.make_loader`` over a dataset (or ``packer.stream``),
+loads a saved state (if any), iterates up to a stop point or to the end of epoch ``epochs - 1``, saves the state
+there and writes what it saw.
 
-A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_loader}, "epochs",
-"state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null, "state_out", "out"}``.
-Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels, indices]...], "state",
-"states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in the dataset opened
-without augmentation (None when a sample is not found there).
+A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_loader} (or "stream": {kwargs of
+stream}), "epochs", "state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null,
+"state_out", "out"}``. Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels,
+indices]...], "state", "states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in
+the dataset opened without augmentation (None when a sample is not found there).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def digest(tensor: torch.Tensor) -> str:
 def run(job: dict, rank: int, world: int) -> None:
     plain = packer.open_dataset(job["path"])
     table = {digest(plain[i][0]): i for i in range(len(plain))}
-    ds = packer.open_dataset(job["path"], **job["open"])
-    loader = packer.make_loader(ds, **job["loader"])
+    if "stream" in job:  # packer.stream(path, **job["stream"])
+        loader = packer.stream(job["path"], **job["stream"])
+    else:
+        loader = packer.make_loader(packer.open_dataset(job["path"], **job["open"]), **job["loader"])
     start = 0
     if job["state_in"]:
         with open(job["state_in"], encoding="utf-8") as f:

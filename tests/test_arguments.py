@@ -187,8 +187,9 @@ def test_a_refused_state_leaves_the_loader_as_it_was(packs):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"epoch": "1"}, ("epoch=",)), ({"batches": 2.5}, ("batches=",)), ({"batches": 10**6}, ("batches=",)),
-    ({"kind": "loader"}, ("kind=",)), ({"more": 0}, ("unknown key",)), ({"workers": "0"}, ("workers=",)),
+    ({"epoch": "1"}, ("epoch=",)), ({"samples_seen": 2.5}, ("samples_seen=",)),
+    ({"samples_seen": 10**6}, ("samples_seen=",)), ({"kind": "loader"}, ("kind=",)), ({"more": 0}, ("unknown key",)),
+    ({"window": "0"}, ("window=",)), ({"world_size": 0}, ("world_size=",)),
 ])
 def test_a_damaged_stream_state_is_one_line_naming_the_key(packs, change, words):
     loader = packer.stream(packs["wds"], BATCH, num_workers=0)

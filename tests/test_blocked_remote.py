@@ -15,6 +15,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -279,6 +280,8 @@ def test_two_epochs_through_workers_every_sample_once_within_the_cache(fmt, pack
     assert orders[0] != orders[1]
     in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
     assert seen(in_order, truth[fmt]) == [truth[fmt][digest(ds[i][0])][0] for i in range(COUNT)]
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets: no open block, its own on first read
+    assert copy.reader._blocks is None and digest(copy[5][0]) == digest(ds[5][0])
 
 
 @pytest.mark.parametrize("fmt", BLOCKED)

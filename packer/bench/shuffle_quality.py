@@ -95,8 +95,8 @@ def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Seque
     Args:
         wds_root: the dataset (wds, packed without shuffling, so that the file order is class order).
         batch_size: samples per batch.
-        buffers: ``packer.stream`` shuffle-buffer sizes to measure (each streams the dataset once, in this
-            process, decoding every image).
+        buffers: ``packer.stream`` ``buffer=`` values to measure (each a window of whole shards holding about
+            that many samples; each streams the dataset once, in this process, decoding every image).
         seed: the shuffles' seed.
 
     Returns:

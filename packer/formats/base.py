@@ -12,7 +12,7 @@ import operator
 import os
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -310,9 +310,11 @@ class Reader(ABC):
         return None
 
     @classmethod
-    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
+    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None,
+                    wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
         """The samples of one of :meth:`stream_files`' files (a local copy at ``path``; ``where`` names it in
-        messages), read sequentially; ``extras``: the extra fields to give."""
+        messages), read sequentially; ``extras``: the extra fields to give. A sample ``wanted`` declines (given
+        its place in the file, from 0) is None, and need not be read."""
         raise NotImplementedError(f"{cls.format} is not read sequentially")
 
     @classmethod

@@ -52,7 +52,7 @@ import mmap
 import os
 import re
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -394,8 +394,9 @@ class WdsReader(Reader):
         return [(s["path"], int(s["count"])) for s in manifest.get("shards") or []] or None
 
     @classmethod
-    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
-        return read_shard(path, extras, where)
+    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None,
+                    wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+        return read_shard(path, extras, where, wanted)
 
     @classmethod
     def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -166,28 +166,32 @@ def field_members(shard: memoryview, at: int, fields: Sequence[Field], where: st
     return tuple(values)
 
 
-def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None) -> Iterator[StreamSample]:
+def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None,
+               wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
     """The samples of a shard packer wrote, read from start to end (``tar`` order): members grouped by
     :func:`sample_key`; ``extras``' bytes are their members' (:func:`field_member`). ``where`` names the shard in
-    messages (default ``path``)."""
+    messages (default ``path``). A sample ``wanted`` declines (given its place in the shard, from 0) is None: its
+    members' headers are read, their data skipped."""
     where = path if where is None else where
-    key, members = None, {}
+    key, members, place, keep = None, {}, -1, True
     try:
-        with tarfile.open(path, "r|") as tar:
-            for member in tar:
+        with tarfile.open(path, "r:") as tar:
+            while (member := tar.next()) is not None:
+                tar.members.clear()  # tarfile keeps every member's TarInfo: a shard of tiny images holds millions
                 parsed = sample_key(member.name) if member.isfile() else None
-                data = tar.extractfile(member) if parsed is not None else None
-                if parsed is None or data is None:
+                if parsed is None:
                     continue
-                if parsed[0] != key and key is not None:
-                    yield _streamed(where, key, members, extras)
-                    members = {}
-                key = parsed[0]
-                members[parsed[1]] = data.read()
+                if parsed[0] != key:
+                    if key is not None:
+                        yield _streamed(where, key, members, extras) if keep else None
+                    key, members, place = parsed[0], {}, place + 1
+                    keep = wanted is None or wanted(place)
+                if keep:
+                    members[parsed[1]] = tar.extractfile(member).read()
     except (OSError, tarfile.TarError) as exc:
         raise PackerError(f"{where}: damaged tar shard ({exc}); run `packer verify`") from None
     if key is not None:
-        yield _streamed(where, key, members, extras)
+        yield _streamed(where, key, members, extras) if keep else None
 
 
 def _streamed(where: object, key: str, members: dict[str, bytes], extras: Sequence[Field]) -> StreamSample:
