@@ -24,6 +24,7 @@ from packed_support import FORMATS
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
 from packer.errors import UsageError
+from packer.pages import LocalBlocks
 
 COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
 BATCH, WORKERS = 16, 2
@@ -204,3 +205,21 @@ def test_without_fadvise_it_still_reads(packs, truth, tmp_path, monkeypatch):
     ds = open_paged(packs, "wds", tmp_path)
     loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=True)
     assert sorted(seen(loader, truth["wds"])) == list(range(COUNT))
+
+
+def test_a_block_is_read_into_memory_and_dropped_and_a_held_one_is_read_ahead_until_released(packs, truth):
+    path = max(data_files(packs, "hdf5"), key=lambda p: p.stat().st_size)
+    files, data, page = [path], path.read_bytes(), os.sysconf("SC_PAGE_SIZE")
+    start, end = 10 * page + 100, 40 * page + 7
+    dropped(files)
+    store = LocalBlocks(packs / "hdf5")
+    block = store.open(path.name, start, end)
+    assert bytes(block) == data[start:end] and resident_bytes(path)[0] == 0  # in this process, not the cache
+    release = store.hold(path.name, start, end)
+    for _ in range(200):  # POSIX_FADV_WILLNEED reads it in the background
+        if resident_bytes(path)[0] >= end - start:
+            break
+        time.sleep(0.005)
+    assert end - start <= resident_bytes(path)[0] <= end - start + 2 * page
+    release()
+    assert resident_bytes(path)[0] == 0
