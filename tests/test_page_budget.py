@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from packed_support import FORMATS
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
-from packer.errors import UsageError
+from packer.errors import CorruptDataError, UsageError
 from packer.pages import LocalBlocks
 
 COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
@@ -223,3 +224,22 @@ def test_a_block_is_read_into_memory_and_dropped_and_a_held_one_is_read_ahead_un
     assert end - start <= resident_bytes(path)[0] <= end - start + 2 * page
     release()
     assert resident_bytes(path)[0] == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_bytes_are_one_line_naming_the_folder_and_file(fmt, packs, tmp_path):
+    shutil.copytree(packs / fmt, tmp_path / fmt)
+    ds = open_paged(tmp_path, fmt, tmp_path)
+    layout, index = ds.reader.layout, 77
+    path = tmp_path / fmt / layout.files[int(layout.file[index])]
+    data = bytearray(path.read_bytes())
+    for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):
+        data[at] ^= 0xFF  # in its range: the payload's first bytes, and wherever its middle lies
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError) as error:
+        ds[index]
+    assert f"{tmp_path / fmt}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UsageError) as error:
+        ds.relpath(index)
+    assert "page_budget" in str(error.value) and "\n" not in str(error.value)

@@ -221,8 +221,8 @@ class BlockedReader(Reader):
         return self.starts
 
     def relpath(self, index: int) -> str:
-        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit is read "
-                         "a block at a time; raise cache_limit to the dataset's size to read them")
+        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit (or "
+                         "page_budget) is read a block at a time; raise it to the dataset's size to read them")
 
     def describe(self, index: int) -> str:
         return f"{self.where}/{self.sample_file(index)} sample {index}"
