@@ -26,7 +26,7 @@ from .errors import UsageError
 from .fieldbatch import TORCH_DTYPES, FieldBatch, field_tensor
 from .fieldread import FieldDecoder, select_fields
 from .fields import Field, is_pair_schema, schema_of
-from .formats import PartedReader, Reader, open_blocked, open_reader, reader_class
+from .formats import PartedReader, Reader, open_blocked, open_paged, open_reader, reader_class
 from .formats.base import Sample
 from .formats.hdf5 import Hdf5Reader
 from .formats.lmdb import LmdbReader
@@ -535,10 +535,9 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
                  random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0,
-                 fields: Sequence[str] | str | None = None,
-                 readahead: bool | None = None, locking: bool | None = None, storage_options: dict | None = None,
-                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                 page_budget: int | str | None = None) -> PackedDataset:
+                 fields: Sequence[str] | str | None = None, readahead: bool | None = None, locking: bool | None = None,
+                 storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, page_budget: int | str | None = None) -> PackedDataset:
     """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says. Every argument is checked
     here: a bad one is a one-line ``ValueError`` naming it, never a failure at the first read.
 
@@ -567,10 +566,7 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
         cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
         cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``); a dataset larger than it
             is read a block at a time, in blocks that fit (said once; see :func:`packer.formats.blocked.block_budget`).
-        page_budget: for a local folder larger than it (an int or ``"2GB"``), read it a block at a time as a URL
-            over its cache_limit is, keeping about this many bytes of it in the page cache (blocks read ahead
-            with ``posix_fadvise``, dropped once read; each process keeps its last few blocks in its own memory;
-            see :mod:`packer.pages`). The layout is cached under ``cache_dir``. None: map the files.
+        page_budget: a local folder over it (``"2GB"``) is read a block at a time (:mod:`packer.formats.pages`).
 
     Returns:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
@@ -587,7 +583,6 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     arguments.int_at_least("threads", threads, 1)
     options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
                if value is not None}
-    from .pages import open_paged  # page_budget: a local folder read a block at a time when over it
     from .remote import open_remote  # a URL is resolved here into a local folder, or blocks when over cache_limit
 
     found = (open_remote(root, storage_options, cache_dir, cache_limit) if page_budget is None

@@ -25,7 +25,7 @@ from packed_support import FORMATS
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
 from packer.errors import CorruptDataError, UsageError
-from packer.pages import LocalBlocks
+from packer.formats.pages import LocalBlocks
 
 COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
 BATCH, WORKERS = 16, 2

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import UsageError
-from .formats.layout import LocalSource
-from .options import parse_bytes
-from .remote.cache import default_cache_dir
+from ..arguments import parse_bytes
+from ..errors import UsageError
+from ..system import default_cache_dir
+from .layout import LocalSource
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -200,20 +200,19 @@ def open_local(root: str | os.PathLike, manifest: dict, page_budget: int,
                         total, _layout_folder(cache_dir))
 
 
+
 def open_paged(root: str | os.PathLike, page_budget: int | str, cache_dir: str | os.PathLike | None = None
                ) -> Path | BlockedLocal:
     """``open_dataset``'s ``page_budget``: the folder ``root`` itself when its data files fit the budget, else
     its :class:`BlockedLocal`.
 
     Raises:
-        UsageError: a bad budget, or a URL (whose bound is ``cache_limit``), in one line.
+        UsageError: a bad budget, or ``root`` is no local folder (a URL's bound is ``cache_limit``), in one line.
     """
-    from .manifest import read_local_manifest
-    from .remote import is_url
+    from ..manifest import read_local_manifest
 
     budget = parse_page_budget(page_budget)
-    if is_url(root):
-        raise UsageError(f"page_budget bounds the page cache of a local folder; {root} is a URL: bound its local "
-                         "cache with cache_limit instead")
-    manifest = read_local_manifest(root)
-    return open_local(root, manifest, budget, cache_dir) or Path(root)
+    if not Path(root).is_dir():
+        raise UsageError(f"{root}: page_budget bounds the page cache of a local dataset folder and this is none; "
+                         "for a URL, bound its local cache with cache_limit instead")
+    return open_local(root, read_local_manifest(root), budget, cache_dir) or Path(root)
