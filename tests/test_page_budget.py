@@ -83,12 +83,14 @@ class ResidencyPoll:
 
     def __init__(self, files: list[Path]):
         self.files, self.most, self.samples, self.stop = files, 0, 0, threading.Event()
+        self.fetching = False  # whether the loader's fetch-ahead thread was seen running
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self.stop.wait(0.002):
             self.most = max(self.most, sum(resident_bytes(f)[0] for f in self.files))
             self.samples += 1
+            self.fetching |= any(t.name == "packer-fetch-ahead" for t in threading.enumerate())
 
     def __enter__(self) -> ResidencyPoll:
         self.thread.start()
@@ -143,6 +145,7 @@ def test_two_epochs_through_workers_every_sample_once_within_the_page_budget(fmt
             orders.append(seen(loader, truth[fmt]))
         assert sorted(orders[-1]) == list(range(COUNT))
         assert poll.samples > 0 and poll.most <= budget + WORKERS * block, (poll.most, budget, block)
+        assert poll.fetching  # the main process advised the next blocks ahead
         assert fetch_ahead_ended()
         assert sum(resident_bytes(f)[0] for f in files) <= block  # released behind: nothing is left cached
     assert orders[0] != orders[1]

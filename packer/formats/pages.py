@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from ..arguments import parse_bytes
 from ..errors import UsageError
+from ..manifest import read_local_manifest
 from ..system import default_cache_dir
 from .layout import LocalSource
 
@@ -200,7 +201,6 @@ def open_local(root: str | os.PathLike, manifest: dict, page_budget: int,
                         total, _layout_folder(cache_dir))
 
 
-
 def open_paged(root: str | os.PathLike, page_budget: int | str, cache_dir: str | os.PathLike | None = None
                ) -> Path | BlockedLocal:
     """``open_dataset``'s ``page_budget``: the folder ``root`` itself when its data files fit the budget, else
@@ -209,8 +209,6 @@ def open_paged(root: str | os.PathLike, page_budget: int | str, cache_dir: str |
     Raises:
         UsageError: a bad budget, or ``root`` is no local folder (a URL's bound is ``cache_limit``), in one line.
     """
-    from ..manifest import read_local_manifest
-
     budget = parse_page_budget(page_budget)
     if not Path(root).is_dir():
         raise UsageError(f"{root}: page_budget bounds the page cache of a local dataset folder and this is none; "
