@@ -3,8 +3,10 @@ the same :class:`~packer.formats.blocked.BlockedReader` and fetch-ahead thread a
 the kernel's page cache in the node cache's place.
 
 - :class:`LocalBlocks` is the block store: a block is read (``pread``) into the reading process's own memory and
-  then advised out of the page cache (``POSIX_FADV_DONTNEED``); the fetch-ahead thread's :meth:`LocalBlocks.hold`
-  asks the kernel to read a block ahead (``POSIX_FADV_WILLNEED``) and its release drops it again. So the page
+  then advised out of the page cache (``POSIX_FADV_DONTNEED``), unless it was all cached before the read (the
+  fetch-ahead thread read it ahead: the other workers reading it find it there, and the thread drops it once
+  every batch reading it was received); the fetch-ahead thread's :meth:`LocalBlocks.hold` asks the kernel to
+  read a block ahead (``POSIX_FADV_WILLNEED``) and its release drops it again. So the page
   cache holds about the blocks read ahead (at most ``page_budget``: :func:`~packer.formats.blocked.block_budget`
   sizes them), and each process holds the ``KEEP_BLOCKS`` blocks it keeps, in its own memory.
 - :class:`UncachedSource` reads a format's layout (its headers and indexes) the same way, leaving nothing cached.
@@ -17,12 +19,15 @@ Where ``posix_fadvise`` does not exist (macOS) everything works, without the adv
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
+import mmap
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..arguments import parse_bytes
 from ..errors import UsageError
@@ -62,6 +67,7 @@ def read_uncached(path: Path, start: int, end: int) -> bytearray:
     fd = os.open(path, os.O_RDONLY)
     try:
         _no_readahead(fd)
+        shared = _resident(fd, start, end)  # read ahead by the loader's thread: its release drops it, not this read
         data = bytearray(max(0, end - start))
         view, done = memoryview(data), 0
         while done < len(data):
@@ -69,10 +75,50 @@ def read_uncached(path: Path, start: int, end: int) -> bytearray:
             if got == 0:
                 break
             done += got
-        advise(fd, start, start + done, "POSIX_FADV_DONTNEED")
+        if not shared:
+            advise(fd, start, start + done, "POSIX_FADV_DONTNEED")
         return data if done == len(data) else data[:done]
     finally:
         os.close(fd)
+
+
+_MINCORE: list = []  # libc's mincore, once looked up (an empty list inside: none)
+
+
+def _mincore() -> Any:
+    if not _MINCORE:
+        found = None
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                found = ctypes.CDLL(None, use_errno=True).mincore
+                found.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        _MINCORE.append(found)
+    return _MINCORE[0]
+
+
+def _resident(fd: int, start: int, end: int) -> bool:
+    """Whether every page of bytes ``[start, end)`` of ``fd`` is in the page cache (False where mincore cannot
+    tell). A private map of the range is never written: mincore sees the file's cached pages."""
+    mincore, size = _mincore(), os.fstat(fd).st_size
+    low, end = start - start % _PAGE, min(end, size)
+    if mincore is None or end <= start:
+        return False
+    try:
+        mapped = mmap.mmap(fd, end - low, offset=low, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return False
+    try:
+        pages = -(-(end - low) // _PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        window = (ctypes.c_char * (end - low)).from_buffer(mapped)
+        try:
+            if mincore(ctypes.addressof(window), end - low, vec) != 0:
+                return False
+        finally:
+            del window  # before the map closes: it exports its buffer
+        return all(v & 1 for v in vec)
+    finally:
+        mapped.close()
 
 
 def _no_readahead(fd: int) -> None:
