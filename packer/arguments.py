@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -120,3 +121,24 @@ def crop_ratio(value: Any) -> tuple[float, float]:
         raise UsageError(f"ratio must lie within {RATIO_LIMITS[0]:g} and {RATIO_LIMITS[1]:g} (a window of no "
                          f"pixel on one side otherwise), not {value!r}")
     return low, high
+
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+              "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A positive number of bytes, given as an int or a string such as ``"256MB"`` or ``"10GiB"``; None stays
+    None. Anything else is a :class:`UsageError` (a ValueError)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in SIZE_UNITS:
+            raise UsageError(f"{value!r} is not a size like 256MB")
+        size = int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    if size < 1:
+        raise UsageError(f"{value!r} is not a positive size; give one like 256MB")
+    return size

@@ -26,7 +26,7 @@ from .errors import UsageError
 from .fieldbatch import TORCH_DTYPES, FieldBatch, field_tensor
 from .fieldread import FieldDecoder, select_fields
 from .fields import Field, is_pair_schema, schema_of
-from .formats import PartedReader, Reader, open_blocked, open_reader, reader_class
+from .formats import PartedReader, Reader, open_blocked, open_paged, open_reader, reader_class
 from .formats.base import Sample
 from .formats.hdf5 import Hdf5Reader
 from .formats.lmdb import LmdbReader
@@ -535,9 +535,9 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
                  random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0,
-                 fields: Sequence[str] | str | None = None,
-                 readahead: bool | None = None, locking: bool | None = None, storage_options: dict | None = None,
-                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> PackedDataset:
+                 fields: Sequence[str] | str | None = None, readahead: bool | None = None, locking: bool | None = None,
+                 storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = None, page_budget: int | str | None = None) -> PackedDataset:
     """The Dataset of the packed dataset in ``root``, as its ``manifest.json`` says. Every argument is checked
     here: a bad one is a one-line ``ValueError`` naming it, never a failure at the first read.
 
@@ -566,6 +566,7 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
         cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
         cache_limit: for a URL, the most bytes the cache keeps (an int or ``"10GB"``); a dataset larger than it
             is read a block at a time, in blocks that fit (said once; see :func:`packer.formats.blocked.block_budget`).
+        page_budget: a local folder over it (``"2GB"``) is read a block at a time (:mod:`packer.formats.pages`).
 
     Returns:
         An ``LmdbDataset``, ``Hdf5Dataset`` or ``WdsDataset``, or a ``PartedDataset`` over them for a conversion
@@ -584,7 +585,8 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
                if value is not None}
     from .remote import open_remote  # a URL is resolved here into a local folder, or blocks when over cache_limit
 
-    found = open_remote(root, storage_options, cache_dir, cache_limit)
+    found = (open_remote(root, storage_options, cache_dir, cache_limit) if page_budget is None
+             else open_paged(root, page_budget, cache_dir))
     blocked = not isinstance(found, (str, os.PathLike))
     reader = open_blocked(found, reader_class(found.manifest, found.url)) if blocked else open_reader(found)
     for name in options:

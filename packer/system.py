@@ -25,6 +25,16 @@ except ImportError:  # POSIX
     msvcrt = None
 
 
+def default_cache_dir() -> Path:
+    """packer's cache folder: ``PACKER_CACHE_DIR``, else ``$XDG_CACHE_HOME/packer``, else ``~/.cache/packer``
+    (remote datasets' files and blocks; local datasets' layouts for ``page_budget``)."""
+    env = os.environ.get("PACKER_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "packer"
+
+
 def usable_cores() -> int:
     """Cores this process may run on: the affinity mask (which SLURM and taskset set), capped by a cgroup
     CPU quota and SLURM_CPUS_PER_TASK."""

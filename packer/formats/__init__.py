@@ -21,10 +21,12 @@ from . import hdf5  # noqa: F401
 from . import wds  # noqa: F401
 # isort: on
 from .blocked import BlockedReader, open_blocked
+from .pages import open_paged
 from .parts import PartedReader
 
 __all__ = ["BlockedReader", "PartedReader", "Reader", "Sample", "StreamSample", "Writer", "close_all", "foreign_reader",
-           "format_names", "get_format", "open_blocked", "open_reader", "reader_class", "register", "writer_files"]
+           "format_names", "get_format", "open_blocked", "open_paged", "open_reader", "reader_class", "register",
+           "writer_files"]
 
 
 def open_reader(root: str | os.PathLike, **options) -> Reader:

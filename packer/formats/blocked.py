@@ -94,8 +94,10 @@ def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int =
                            found.view, ahead)
     if found.url not in _SAID:
         _SAID.add(found.url)
-        print(f"packer: {found.url} is {found.total:,} bytes, over cache_limit {found.limit:,}: reading it a block "
-              f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} fetched ahead; "
+        budget = getattr(found, "budget", "cache_limit")  # the argument that set limit (page_budget: local)
+        print(f"packer: {found.url} is {found.total:,} bytes, over {budget} {found.limit:,}: reading it a block "
+              f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} "
+              f"{'read' if budget == 'page_budget' else 'fetched'} ahead; "
               f"shuffle=True reads it as shuffle='blocks', {window} blocks mixed at a time)", file=sys.stderr)
     return reader
 
@@ -219,8 +221,8 @@ class BlockedReader(Reader):
         return self.starts
 
     def relpath(self, index: int) -> str:
-        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit is read "
-                         "a block at a time; raise cache_limit to the dataset's size to read them")
+        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit (or "
+                         "page_budget) is read a block at a time; raise it to the dataset's size to read them")
 
     def describe(self, index: int) -> str:
         return f"{self.where}/{self.sample_file(index)} sample {index}"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import RemoteError, UsageError
 from ..options import parse_bytes
-from ..system import lock_file
+from ..system import default_cache_dir, lock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 
@@ -41,14 +41,6 @@ def parse_limit(limit: int | str | None) -> int | None:
         return parse_bytes(limit)
     except ValueError as exc:
         raise UsageError(f"cache_limit: {exc}") from None
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("PACKER_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "packer"
 
 
 class CacheFull(RemoteError):

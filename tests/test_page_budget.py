@@ -1,0 +1,250 @@
+"""A local dataset read a block at a time within a page-cache budget (``open_dataset(FOLDER, page_budget=...)``):
+real packed files in every format, read for two epochs through real DataLoader worker processes with the budget
+at 1/8 of the data.
+
+Each epoch gives every sample exactly once, with the pixels and label of the mapped reader's sample; the data
+files' pages in the page cache (``mincore``, sampled on a thread while the epoch runs, after the files were
+dropped from it) stay within the budget and one block per worker; a state saved mid-epoch resumes exactly; the
+layout is cached in the cache folder, never in the dataset's; bad budgets are one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import noise_folder
+from packed_support import FORMATS
+
+import packer
+from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
+from packer.errors import CorruptDataError, UsageError
+from packer.formats.pages import LocalBlocks
+
+COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
+BATCH, WORKERS = 16, 2
+PACK = {"lmdb": {}, "hdf5": {}, "wds": {"shard_samples": 120}}
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> Path:
+    """``COUNT`` distinct images in 3 classes, packed raw in every format."""
+    root = tmp_path_factory.mktemp("paged")
+    noise_folder(root / "src", COUNT, SIDE, "png")
+    for fmt in FORMATS:
+        packer.pack(root / "src", root / "packs" / fmt, fmt, store="raw", progress=False, workers=1, **PACK[fmt])
+    return root / "packs"
+
+
+def digest(image: torch.Tensor) -> str:
+    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def truth(packs) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per format: each sample's (index, label) by its pixels, as the mapped reader gives them."""
+    found = {}
+    for fmt in FORMATS:
+        ds = packer.open_dataset(packs / fmt)
+        found[fmt] = {digest(image): (i, label) for i, (image, label) in enumerate(ds[i] for i in range(len(ds)))}
+        assert len(found[fmt]) == COUNT, "the test images are distinct"
+        del ds
+    release_handles()  # nothing of the data files stays mapped: their pages can be dropped
+    return found
+
+
+def data_files(packs: Path, fmt: str) -> list[Path]:
+    return [packs / fmt / e["path"] for e in packer.read_manifest(packs / fmt)["files"]]
+
+
+def data_bytes(packs: Path, fmt: str) -> int:
+    return sum(e["bytes"] for e in packer.read_manifest(packs / fmt)["files"])
+
+
+def seen(batches, table: dict[str, tuple[int, int]]) -> list[int]:
+    """The sample index of every image in ``batches``, its label checked against the mapped reader's."""
+    out = []
+    for images, labels in batches:
+        for image, label in zip(images, labels.tolist(), strict=True):
+            index, expected = table[digest(image)]
+            assert label == expected, f"sample {index}: label {label}, the mapped reader says {expected}"
+            out.append(index)
+    return out
+
+
+class ResidencyPoll:
+    """The most bytes of ``files`` in the page cache, sampled with mincore on a thread while the block runs."""
+
+    def __init__(self, files: list[Path]):
+        self.files, self.most, self.samples, self.stop = files, 0, 0, threading.Event()
+        self.fetching = False  # whether the loader's fetch-ahead thread was seen running
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.002):
+            self.most = max(self.most, sum(resident_bytes(f)[0] for f in self.files))
+            self.samples += 1
+            self.fetching |= any(t.name == "packer-fetch-ahead" for t in threading.enumerate())
+
+    def __enter__(self) -> ResidencyPoll:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def fetch_ahead_ended() -> bool:
+    """Whether the fetch-ahead thread ended (it looks at the batches every 10 ms, then releases what it holds)."""
+    for _ in range(200):
+        if not any(t.name == "packer-fetch-ahead" for t in threading.enumerate()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def dropped(files: list[Path]) -> None:
+    """Drop ``files`` from the page cache, or skip where this system cannot (or cannot tell)."""
+    if resident_fraction(files) is None:
+        pytest.skip("mincore cannot tell page-cache residency here")
+    if not evict(files):
+        pytest.skip("posix_fadvise is unavailable here")
+    if resident_fraction(files) > EVICTED_BELOW:
+        pytest.skip("this filesystem keeps the files' pages cached (tmpfs?): DONTNEED does not drop them")
+
+
+def open_paged(packs: Path, fmt: str, tmp_path: Path, **kwargs) -> packer.PackedDataset:
+    ds = packer.open_dataset(packs / fmt, page_budget=data_bytes(packs, fmt) // 8, cache_dir=tmp_path / "cache",
+                             **kwargs)
+    assert type(ds.reader).__name__ == "BlockedReader"
+    return ds
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_epochs_through_workers_every_sample_once_within_the_page_budget(fmt, packs, truth, tmp_path, capfd):
+    budget = data_bytes(packs, fmt) // 8
+    ds = open_paged(packs, fmt, tmp_path)
+    said = capfd.readouterr().err
+    assert f"over page_budget {budget:,}: reading it a block at a time" in said and "read ahead" in said
+    assert len(said.strip().splitlines()) == 1
+    block = int((ds.reader.spans[:, 2] - ds.reader.spans[:, 1]).max())
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, seed=3)
+    assert "shuffle='blocks'" in capfd.readouterr().err and loader.sampler.shuffle == "blocks"
+    files = data_files(packs, fmt)
+    orders = []
+    for _ in range(2):
+        dropped(files)
+        with ResidencyPoll(files) as poll:
+            orders.append(seen(loader, truth[fmt]))
+        assert sorted(orders[-1]) == list(range(COUNT))
+        assert poll.samples > 0 and poll.most <= budget + WORKERS * block, (poll.most, budget, block)
+        assert poll.fetching  # the main process advised the next blocks ahead
+        assert fetch_ahead_ended()
+        assert sum(resident_bytes(f)[0] for f in files) <= block  # released behind: nothing is left cached
+    assert orders[0] != orders[1]
+    in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
+    assert seen(in_order, truth[fmt]) == list(range(COUNT))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_mid_epoch_state_resumes_exactly(fmt, packs, truth, tmp_path):
+    def loader_of() -> packer.PrefetchLoader:
+        return packer.make_loader(open_paged(packs, fmt, tmp_path), batch_size=BATCH, num_workers=WORKERS,
+                                  shuffle="blocks", seed=1)
+
+    uninterrupted = loader_of()
+    epochs = [seen(uninterrupted, truth[fmt]) for _ in range(2)]
+    loader = loader_of()
+    seen(loader, truth[fmt])  # epoch 0, whole
+    first, iterator = [], iter(loader)  # epoch 1, interrupted after 7 batches
+    for _ in range(7):
+        first.append(next(iterator))
+    state = loader.state_dict()
+    del iterator
+    resumed = loader_of()
+    resumed.load_state_dict(state)
+    assert seen(first, truth[fmt]) + seen(resumed, truth[fmt]) == epochs[1]
+
+
+def test_the_layout_is_cached_in_the_cache_folder_never_in_the_dataset(packs, tmp_path):
+    before = sorted(p.name for p in (packs / "lmdb").rglob("*"))
+    open_paged(packs, "lmdb", tmp_path)
+    layouts = list((tmp_path / "cache" / "layouts").glob("layout-*.npz"))
+    assert len(layouts) == 1 and sorted(p.name for p in (packs / "lmdb").rglob("*")) == before
+    stamp = layouts[0].stat().st_mtime_ns
+    open_paged(packs, "lmdb", tmp_path)  # loaded, not computed and written again
+    assert layouts[0].stat().st_mtime_ns == stamp
+
+
+def test_a_dataset_that_fits_the_budget_is_mapped_as_without_one(packs, tmp_path):
+    ds = packer.open_dataset(packs / "hdf5", page_budget="1GB", cache_dir=tmp_path / "cache")
+    assert type(ds.reader).__name__ == "Hdf5Reader" and len(ds) == COUNT
+
+
+@pytest.mark.parametrize("budget, words", [(0, "not a positive size"), (-5, "not a positive size"),
+                                           ("abc", "not a size like"), (True, "page_budget must be"),
+                                           (1.5, "page_budget must be")])
+def test_a_bad_budget_is_one_line(budget, words, packs):
+    with pytest.raises(UsageError) as error:
+        packer.open_dataset(packs / "lmdb", page_budget=budget)
+    assert words in str(error.value) and "page_budget" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_budget_for_a_url_says_to_use_cache_limit():
+    with pytest.raises(UsageError) as error:
+        packer.open_dataset("s3://bucket/ds", page_budget="2GB")
+    assert "cache_limit" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_without_fadvise_it_still_reads(packs, truth, tmp_path, monkeypatch):
+    """Where posix_fadvise does not exist (macOS), the blocks are read without advice."""
+    monkeypatch.delattr(os, "posix_fadvise")
+    ds = open_paged(packs, "wds", tmp_path)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=True)
+    assert sorted(seen(loader, truth["wds"])) == list(range(COUNT))
+
+
+def test_a_block_is_read_into_memory_and_dropped_and_a_held_one_is_read_ahead_and_kept_until_released(packs, truth):
+    path = max(data_files(packs, "hdf5"), key=lambda p: p.stat().st_size)
+    files, data, page = [path], path.read_bytes(), os.sysconf("SC_PAGE_SIZE")
+    start, end = 10 * page + 100, 40 * page + 7
+    dropped(files)
+    store = LocalBlocks(packs / "hdf5")
+    block = store.open(path.name, start, end)
+    assert bytes(block) == data[start:end] and resident_bytes(path)[0] == 0  # in this process, not the cache
+    release = store.hold(path.name, start, end)
+    for _ in range(200):  # POSIX_FADV_WILLNEED reads it in the background
+        if resident_bytes(path)[0] >= end - start:
+            break
+        time.sleep(0.005)
+    assert end - start <= resident_bytes(path)[0] <= end - start + 2 * page
+    assert bytes(store.open(path.name, start, end)) == data[start:end]  # read from the cache, left there for the
+    assert resident_bytes(path)[0] >= end - start  # other workers: the thread that read it ahead drops it
+    release()
+    assert resident_bytes(path)[0] == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_bytes_are_one_line_naming_the_folder_and_file(fmt, packs, tmp_path):
+    shutil.copytree(packs / fmt, tmp_path / fmt)
+    ds = open_paged(tmp_path, fmt, tmp_path)
+    layout, index = ds.reader.layout, 77
+    path = tmp_path / fmt / layout.files[int(layout.file[index])]
+    data = bytearray(path.read_bytes())
+    for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):
+        data[at] ^= 0xFF  # in its range: the payload's first bytes, and wherever its middle lies
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError) as error:
+        ds[index]
+    assert f"{tmp_path / fmt}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UsageError) as error:
+        ds.relpath(index)
+    assert "page_budget" in str(error.value) and "\n" not in str(error.value)
