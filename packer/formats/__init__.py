@@ -74,5 +74,6 @@ def foreign_reader(paths: list[Path], label_key: str | None = None) -> Reader:
 def close_all() -> None:
     """Close the handles every format's readers share per process (:meth:`Reader.close_process_handles`); they
     reopen on next use. Only while no loader is reading: closing a map under a reading thread crashes."""
-    for reader in [*readers(), BlockedReader]:
+    classes: list[type[Reader]] = [*readers(), BlockedReader]
+    for reader in classes:
         reader.close_process_handles()

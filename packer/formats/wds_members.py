@@ -173,11 +173,13 @@ def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None,
     messages (default ``path``). A sample ``wanted`` declines (given its place in the shard, from 0) is None: its
     members' headers are read, their data skipped."""
     where = path if where is None else where
-    key, members, place, keep = None, {}, -1, True
+    key: str | None = None
+    members: dict[str, bytes] = {}
+    place, keep = -1, True
     try:
         with tarfile.open(path, "r:") as tar:
             while (member := tar.next()) is not None:
-                tar.members.clear()  # tarfile keeps every member's TarInfo: a shard of tiny images holds millions
+                tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every member's TarInfo: a shard of tiny images holds millions
                 parsed = sample_key(member.name) if member.isfile() else None
                 if parsed is None:
                     continue
@@ -187,7 +189,8 @@ def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None,
                     key, members, place = parsed[0], {}, place + 1
                     keep = wanted is None or wanted(place)
                 if keep:
-                    members[parsed[1]] = tar.extractfile(member).read()
+                    data = tar.extractfile(member)
+                    members[parsed[1]] = data.read() if data is not None else b""
     except (OSError, tarfile.TarError) as exc:
         raise PackerError(f"{where}: damaged tar shard ({exc}); run `packer verify`") from None
     if key is not None:

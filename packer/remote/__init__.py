@@ -82,6 +82,7 @@ def open_remote(path: str | os.PathLike | Any, storage_options: dict | None = No
     from .resolve import remote_manifest, resolve_fetched
 
     remote = parse_url(path)
+    assert remote is not None  # a URL: checked above
     cache = Cache(cache_dir, cache_limit)
     manifest, text = remote_manifest(remote, storage_options)
     total = sum(int(entry["bytes"]) for entry in manifest["files"])
