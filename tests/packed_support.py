@@ -114,3 +114,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pixel_digest(image) -> str:
+    """A short name for an image tensor's pixels (the blocked and page-budget tests find samples by it)."""
+    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+
+
+def pixel_table(dataset, count: int) -> dict[str, tuple[int, int]]:
+    """Each sample's ``(index, label)`` of ``dataset`` by its pixels (``count`` distinct images expected)."""
+    found = {pixel_digest(image): (i, label) for i, (image, label) in ((i, dataset[i]) for i in range(len(dataset)))}
+    assert len(found) == count, "the test images are distinct"
+    return found
+
+
+def manifest_bytes(root: Path) -> int:
+    """The bytes of the data files the manifest of the packed dataset ``root`` lists."""
+    import packer
+
+    return sum(e["bytes"] for e in packer.read_manifest(root)["files"])
+
+
+def seen_indices(batches, table: dict[str, tuple[int, int]]) -> list[int]:
+    """The sample index of every image in ``batches``, its label checked against ``table`` (:func:`pixel_table`)."""
+    out = []
+    for images, labels in batches:
+        for image, label in zip(images, labels.tolist(), strict=True):
+            index, expected = table[pixel_digest(image)]
+            assert label == expected, f"sample {index}: label {label}, the reference reader says {expected}"
+            out.append(index)
+    return out

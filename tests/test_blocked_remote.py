@@ -11,7 +11,6 @@ URL share the cache. Formats whose readers have no byte-range hooks yet are skip
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import multiprocessing
 import os
@@ -25,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import noise_folder
-from packed_support import FORMATS, free_port
+from packed_support import FORMATS, free_port, manifest_bytes, pixel_digest, pixel_table, seen_indices
 from remote_support import S3Server, serve_files
 
 import packer
@@ -92,34 +90,14 @@ def server(packs):
     served.stop()
 
 
-def digest(image: torch.Tensor) -> str:
-    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def truth(packs) -> dict[str, dict[str, tuple[int, int]]]:
     """Per format: each local sample's (index, label), by its pixels."""
-    found = {}
-    for fmt in FORMATS:
-        ds = packer.open_dataset(packs / fmt)
-        found[fmt] = {digest(image): (i, label) for i, (image, label) in enumerate(ds[i] for i in range(len(ds)))}
-        assert len(found[fmt]) == COUNT, "the test images are distinct"
-    return found
+    return {fmt: pixel_table(packer.open_dataset(packs / fmt), COUNT) for fmt in FORMATS}
 
 
 def data_bytes(packs: Path, fmt: str) -> int:
-    return sum(e["bytes"] for e in packer.read_manifest(packs / fmt)["files"])
-
-
-def seen(batches, table: dict[str, tuple[int, int]]) -> list[int]:
-    """The sample index of every image in ``batches``, its label checked against the local dataset's."""
-    out = []
-    for images, labels in batches:
-        for image, label in zip(images, labels.tolist(), strict=True):
-            index, expected = table[digest(image)]
-            assert label == expected, f"sample {index}: label {label}, the local dataset says {expected}"
-            out.append(index)
-    return out
+    return manifest_bytes(packs / fmt)
 
 
 class CachePoll:
@@ -275,15 +253,15 @@ def test_two_epochs_through_workers_every_sample_once_within_the_cache(fmt, pack
     for _ in range(2):
         sent = server.sent
         with CachePoll(cache) as poll:
-            orders.append(seen(loader, truth[fmt]))
+            orders.append(seen_indices(loader, truth[fmt]))
         assert sorted(orders[-1]) == list(range(COUNT))
         assert poll.most <= limit + WORKERS * block, (poll.most, limit, block)
         assert server.sent - sent <= 1.1 * total, (server.sent - sent, total)
     assert orders[0] != orders[1]
     in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
-    assert seen(in_order, truth[fmt]) == [truth[fmt][digest(ds[i][0])][0] for i in range(COUNT)]
+    assert seen_indices(in_order, truth[fmt]) == [truth[fmt][pixel_digest(ds[i][0])][0] for i in range(COUNT)]
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets: no open block, its own on first read
-    assert copy.reader._blocks is None and digest(copy[5][0]) == digest(ds[5][0])
+    assert copy.reader._blocks is None and pixel_digest(copy[5][0]) == pixel_digest(ds[5][0])
 
 
 @pytest.mark.parametrize("fmt", BLOCKED)
@@ -297,7 +275,7 @@ def test_a_mid_epoch_state_resumes_at_another_world_size(fmt, packs, server, tru
         first.append(next(iterator))
     state = loader.state_dict()
     del iterator
-    taken = seen(first, truth[fmt])
+    taken = seen_indices(first, truth[fmt])
     rest = []
     for rank in range(2):  # the rest of the epoch over two ranks
         again = open_blocked(url, cache, limit)
@@ -305,7 +283,7 @@ def test_a_mid_epoch_state_resumes_at_another_world_size(fmt, packs, server, tru
                                    blocks=again.blocks())
         resumed = packer.make_loader(again, batch_size=BATCH, num_workers=WORKERS, sampler=sampler)
         resumed.load_state_dict(state)
-        rest.append(seen(resumed, truth[fmt]))
+        rest.append(seen_indices(resumed, truth[fmt]))
     assert len(rest[0]) == len(rest[1])
     remaining = rest[0] + rest[1]
     padded = len(remaining) - (COUNT - len(taken))  # DistributedSampler's padding: at most one sample a rank
@@ -356,7 +334,7 @@ def test_s3_two_epochs_within_the_cache(packs, truth, tmp_path):
         loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
         for _ in range(2):
             with CachePoll(tmp_path / "cache") as poll:
-                assert sorted(seen(loader, truth[fmt])) == list(range(COUNT))
+                assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
             assert poll.most <= limit + WORKERS * int((ds.reader.spans[:, 2] - ds.reader.spans[:, 1]).max())
     finally:
         s3.stop()
@@ -406,7 +384,7 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
     loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
     before = STATS["requests"]
-    assert sorted(seen(loader, truth[fmt])) == list(range(COUNT))
+    assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
     assert STATS["requests"] > before  # blocks fetched ahead by this process (its workers fetch what is not)
     assert fetch_ahead_threads() == []  # the pass ended: so did its thread, releasing its pins
     iterator = iter(loader)
@@ -416,5 +394,5 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     assert fetch_ahead_threads() == []
     quiet = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, fetch_ahead=0)
     before = STATS["requests"]
-    assert sorted(seen(quiet, truth[fmt])) == list(range(COUNT))
+    assert sorted(seen_indices(quiet, truth[fmt])) == list(range(COUNT))
     assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves

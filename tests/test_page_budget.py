@@ -10,7 +10,6 @@ layout is cached in the cache folder, never in the dataset's; bad budgets are on
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import threading
@@ -18,9 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import noise_folder
-from packed_support import FORMATS
+from packed_support import FORMATS, manifest_bytes, pixel_table, seen_indices
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
@@ -42,19 +40,10 @@ def packs(tmp_path_factory) -> Path:
     return root / "packs"
 
 
-def digest(image: torch.Tensor) -> str:
-    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def truth(packs) -> dict[str, dict[str, tuple[int, int]]]:
     """Per format: each sample's (index, label) by its pixels, as the mapped reader gives them."""
-    found = {}
-    for fmt in FORMATS:
-        ds = packer.open_dataset(packs / fmt)
-        found[fmt] = {digest(image): (i, label) for i, (image, label) in enumerate(ds[i] for i in range(len(ds)))}
-        assert len(found[fmt]) == COUNT, "the test images are distinct"
-        del ds
+    found = {fmt: pixel_table(packer.open_dataset(packs / fmt), COUNT) for fmt in FORMATS}
     release_handles()  # nothing of the data files stays mapped: their pages can be dropped
     return found
 
@@ -64,18 +53,7 @@ def data_files(packs: Path, fmt: str) -> list[Path]:
 
 
 def data_bytes(packs: Path, fmt: str) -> int:
-    return sum(e["bytes"] for e in packer.read_manifest(packs / fmt)["files"])
-
-
-def seen(batches, table: dict[str, tuple[int, int]]) -> list[int]:
-    """The sample index of every image in ``batches``, its label checked against the mapped reader's."""
-    out = []
-    for images, labels in batches:
-        for image, label in zip(images, labels.tolist(), strict=True):
-            index, expected = table[digest(image)]
-            assert label == expected, f"sample {index}: label {label}, the mapped reader says {expected}"
-            out.append(index)
-    return out
+    return manifest_bytes(packs / fmt)
 
 
 class ResidencyPoll:
@@ -142,7 +120,7 @@ def test_two_epochs_through_workers_every_sample_once_within_the_page_budget(fmt
     for _ in range(2):
         dropped(files)
         with ResidencyPoll(files) as poll:
-            orders.append(seen(loader, truth[fmt]))
+            orders.append(seen_indices(loader, truth[fmt]))
         assert sorted(orders[-1]) == list(range(COUNT))
         assert poll.samples > 0 and poll.most <= budget + WORKERS * block, (poll.most, budget, block)
         assert poll.fetching  # the main process advised the next blocks ahead
@@ -150,7 +128,7 @@ def test_two_epochs_through_workers_every_sample_once_within_the_page_budget(fmt
         assert sum(resident_bytes(f)[0] for f in files) <= block  # released behind: nothing is left cached
     assert orders[0] != orders[1]
     in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
-    assert seen(in_order, truth[fmt]) == list(range(COUNT))
+    assert seen_indices(in_order, truth[fmt]) == list(range(COUNT))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -160,9 +138,9 @@ def test_a_mid_epoch_state_resumes_exactly(fmt, packs, truth, tmp_path):
                                   shuffle="blocks", seed=1)
 
     uninterrupted = loader_of()
-    epochs = [seen(uninterrupted, truth[fmt]) for _ in range(2)]
+    epochs = [seen_indices(uninterrupted, truth[fmt]) for _ in range(2)]
     loader = loader_of()
-    seen(loader, truth[fmt])  # epoch 0, whole
+    seen_indices(loader, truth[fmt])  # epoch 0, whole
     first, iterator = [], iter(loader)  # epoch 1, interrupted after 7 batches
     for _ in range(7):
         first.append(next(iterator))
@@ -170,7 +148,7 @@ def test_a_mid_epoch_state_resumes_exactly(fmt, packs, truth, tmp_path):
     del iterator
     resumed = loader_of()
     resumed.load_state_dict(state)
-    assert seen(first, truth[fmt]) + seen(resumed, truth[fmt]) == epochs[1]
+    assert seen_indices(first, truth[fmt]) + seen_indices(resumed, truth[fmt]) == epochs[1]
 
 
 def test_the_layout_is_cached_in_the_cache_folder_never_in_the_dataset(packs, tmp_path):
@@ -208,7 +186,7 @@ def test_without_fadvise_it_still_reads(packs, truth, tmp_path, monkeypatch):
     monkeypatch.delattr(os, "posix_fadvise")
     ds = open_paged(packs, "wds", tmp_path)
     loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=True)
-    assert sorted(seen(loader, truth["wds"])) == list(range(COUNT))
+    assert sorted(seen_indices(loader, truth["wds"])) == list(range(COUNT))
 
 
 def test_a_block_is_read_into_memory_and_dropped_and_a_held_one_is_read_ahead_and_kept_until_released(packs, truth):
