@@ -10,6 +10,7 @@ layout is cached in the cache folder, never in the dataset's; bad budgets are on
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import threading
@@ -122,7 +123,9 @@ def test_two_epochs_through_workers_every_sample_once_within_the_page_budget(fmt
         with ResidencyPoll(files) as poll:
             orders.append(seen_indices(loader, truth[fmt]))
         assert sorted(orders[-1]) == list(range(COUNT))
-        assert poll.samples > 0 and poll.most <= budget + WORKERS * block, (poll.most, budget, block)
+        # mincore counts whole pages: each block resident at once may add a partial page at either end
+        pages = 2 * mmap.PAGESIZE * (budget // block + WORKERS + 1)
+        assert poll.samples > 0 and poll.most <= budget + WORKERS * block + pages, (poll.most, budget, block)
         assert poll.fetching  # the main process advised the next blocks ahead
         assert fetch_ahead_ended()
         assert sum(resident_bytes(f)[0] for f in files) <= block  # released behind: nothing is left cached
