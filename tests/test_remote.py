@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,19 @@ def test_two_processes_share_one_cache_and_fetch_each_file_once(local_packs, tmp
             assert server.gets(f"/wds/{entry['path']}") == 1, entry["path"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_reader_keeps_reading_while_another_opens_the_same_url(fmt, http_packs, local_packs, tmp_path):
+    """A second rank or process pinning the same cached files (the LRU clock) is not a repack of the first's."""
+    url, cache = f"{http_packs.url}/{fmt}", tmp_path / "cache"
+    first = packer.open_dataset(url, cache_dir=cache, decode=False)  # opens its data files on first read
+    time.sleep(0.01)  # a clock tick the file systems' timestamps can tell apart
+    second = packer.open_dataset(url, cache_dir=cache, decode=False)  # pins every cached file again
+    local = packer.open_dataset(local_packs / fmt, decode=False)
+    expected = [local.raw_sample(i) for i in range(len(local))]
+    assert [first.raw_sample(i) for i in range(len(first))] == expected
+    assert [second.raw_sample(i) for i in range(len(second))] == expected
 
 
 def test_eviction_is_lru_and_skips_pinned_files(tmp_path):

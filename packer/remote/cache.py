@@ -12,7 +12,9 @@ Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
 
 A process that uses an object holds a shared ``flock`` on it (a :class:`Pin`); eviction (least recently used
-first, by modification time, which a pin refreshes) takes an exclusive, non-blocking lock before it deletes, so
+first, by access time, which a pin sets; the modification time stays that of the download, because a reader
+that noted a file's identity (:mod:`packer.formats.identity`) refuses a file whose mtime moved, and another
+process pinning the same object must not look like a repack) takes an exclusive, non-blocking lock before it deletes, so
 it never removes a file another process has open, and it only ever deletes regular files inside ``objects/``
 and abandoned downloads inside ``tmp/``.
 """
@@ -24,6 +26,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +36,11 @@ from ..options import parse_bytes
 from ..system import default_cache_dir, lock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def _touch(path: Path) -> None:
+    """Set the LRU clock (the access time) of a cached object; its modification time is left as it was."""
+    os.utime(path, ns=(time.time_ns(), os.stat(path, follow_symlinks=False).st_mtime_ns))
 
 
 def parse_limit(limit: int | str | None) -> int | None:
@@ -143,7 +151,7 @@ class Cache:
             # evicted between the open and the lock: the name no longer leads to the file this fd holds
             if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
                 raise FileNotFoundError(path)
-            os.utime(path)  # the LRU clock
+            _touch(path)
         except OSError:
             _close(fd)
             return None
@@ -176,7 +184,7 @@ class Cache:
                 path.parent.mkdir(exist_ok=True)
                 os.replace(tmp, path)
                 lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
-                os.utime(path)
+                _touch(path)
                 return Pin(path, fd, inherited)
             except BaseException:
                 _close(fd)
@@ -196,7 +204,7 @@ class Cache:
         return fd
 
     def entries(self) -> list[tuple[float, int, Path]]:
-        """``(mtime, bytes, path)`` of every cached object and download in progress."""
+        """``(last use, bytes, path)`` of every cached object and download in progress."""
         found = []
         for folder in [*(self.root / "objects").iterdir(), self.root / "tmp"]:
             if not folder.is_dir() or folder.is_symlink():
@@ -205,7 +213,7 @@ class Cache:
                 with contextlib.suppress(OSError):
                     st = os.lstat(path)
                     if stat.S_ISREG(st.st_mode):
-                        found.append((st.st_mtime, st.st_size, path))
+                        found.append((st.st_atime, st.st_size, path))
         return found
 
     def used(self) -> int:
