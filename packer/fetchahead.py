@@ -4,7 +4,9 @@ While a loader's pass runs, a thread of the main process knows this rank's comin
 sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks beyond the batches
 handed to the decoders (worker processes or threads) fetched and held (pinned in the cache), and lets each one
 go once the last batch that reads it has been received by the caller; it never holds more than ``ahead``
-blocks (those of batches in flight included), which the block size leaves room for. Correctness never depends on
+blocks (those of batches in flight included), which the block size leaves room for. Up to ``FETCHERS`` of them
+are fetched at once, in the order they will be read, so that each request's latency overlaps the others' and
+the decoding. Correctness never depends on
 it: a worker that needs a block not yet there fetches it itself (the cache makes one process fetch, the others
 wait). When the cache has no room the thread waits; it stops with the pass, when the caller drops the iterator,
 or when the loader starts another pass.
@@ -13,22 +15,54 @@ or when the loader starts another pass.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import queue
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 POLL = 0.01  # seconds between looks at the batches received
+FETCHERS = 4  # blocks fetched at once: each request's latency overlaps the others'
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
-# Held by a fetch-ahead thread while it fetches, and by a thread that forks (a DataLoader starting its workers)
-# while it forks: a child is never forked in the middle of a fetch, holding locks it would wait on forever.
-_FORK_GATE = threading.Lock()
-os.register_at_fork(before=_FORK_GATE.acquire, after_in_parent=_FORK_GATE.release,
-                    after_in_child=_FORK_GATE.release)
+
+
+class _ForkGate:
+    """Fetches run at once; a thread that forks (a DataLoader starting its workers) waits until none runs and
+    holds new ones off until the fork is done: a child is never forked in the middle of a fetch, holding locks
+    it would wait on forever."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._fetching = 0
+
+    @contextlib.contextmanager
+    def fetching(self) -> Iterator[None]:
+        with self._cond:
+            self._fetching += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._fetching -= 1
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()
+        while self._fetching:
+            self._cond.wait()
+
+    def after_fork(self) -> None:
+        self._cond.release()
+
+
+_FORK_GATE = _ForkGate()
+os.register_at_fork(before=_FORK_GATE.before_fork, after_in_parent=_FORK_GATE.after_fork,
+                    after_in_child=_FORK_GATE.after_fork)
 
 
 @atexit.register
@@ -95,7 +129,7 @@ class FetchAhead:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and release what it holds (waits for a fetch in progress)."""
+        """Stop the thread and release what it holds (waits for the fetches in progress)."""
         self.stop_event.set()
         if self.thread is not threading.current_thread():
             self.thread.join()
@@ -104,9 +138,16 @@ class FetchAhead:
     def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
              handed: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
+        fetchers = _Fetchers(hold, min(FETCHERS, ahead), stop)
         passed = 0  # the blocks of ``order`` before this one are handed out whole
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
+                room = True
+                for k, release in fetchers.done():
+                    if release is None:  # no room in the cache now: try again later
+                        room = False
+                    else:
+                        held[k] = release
                 received = progress.received
                 frontier = max(received, handed())
                 for k in [k for k in held if last[k] < received]:  # every batch that reads it was received
@@ -114,17 +155,79 @@ class FetchAhead:
                 while passed < len(order) and last[passed] < frontier:
                     passed += 1
                 k = passed
-                while len(held) < ahead and k < len(order) and not stop.is_set():
-                    if last[k] >= frontier and k not in held:
-                        with _FORK_GATE:
-                            release = hold(int(order[k]), wait=False)
-                        if release is None:  # no room in the cache now: try again later
-                            break
-                        held[k] = release
+                while room and len(held) + fetchers.busy() < ahead and fetchers.idle() and k < len(order):
+                    if last[k] >= frontier and k not in held and not fetchers.has(k):
+                        fetchers.start(k, int(order[k]))
                     k += 1
                 stop.wait(POLL)
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
         finally:
+            stop.set()
+            for _, release in fetchers.finish():
+                if release is not None:
+                    release()
             for release in held.values():
                 release()
+
+
+class _Fetchers:
+    """A few daemon threads fetching blocks for one :class:`FetchAhead` pass, each one block at a time."""
+
+    def __init__(self, hold: Callable[..., Callable[[], None] | None], count: int, stop: threading.Event):
+        self.hold, self.stop = hold, stop
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.running: set[int] = set()  # positions being fetched, or fetched and not yet taken by done()
+        self.threads = [threading.Thread(target=self._work, daemon=True, name="packer-fetch-block")
+                        for _ in range(max(1, count))]
+        for thread in self.threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self.todo.get()
+            if job is None:
+                return
+            k, block = job
+            release = None
+            if not self.stop.is_set():
+                try:
+                    with _FORK_GATE.fetching():
+                        release = self.hold(block, wait=False)
+                except Exception:  # noqa: BLE001 - the reader fetches it itself when it needs it
+                    release = None
+            self.results.put((k, release))
+
+    def start(self, k: int, block: int) -> None:
+        self.running.add(k)
+        self.todo.put((k, block))
+
+    def has(self, k: int) -> bool:
+        return k in self.running
+
+    def busy(self) -> int:
+        return len(self.running)
+
+    def idle(self) -> bool:
+        return len(self.running) < len(self.threads)
+
+    def done(self) -> list[tuple[int, Callable[[], None] | None]]:
+        """The fetches finished since the last call: (position, release or None when there was no room)."""
+        finished = []
+        while True:
+            try:
+                k, release = self.results.get_nowait()
+            except queue.Empty:
+                return finished
+            self.running.discard(k)
+            finished.append((k, release))
+
+    def finish(self) -> list[tuple[int, Callable[[], None] | None]]:
+        """Wait for the fetches in progress (the threads end) and return what they gave."""
+        for _ in self.threads:
+            self.todo.put(None)
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        return self.done()

@@ -38,6 +38,7 @@ class Served:
         self.sent = 0
         self.lock = threading.Lock()
         self.latency = 0.0
+        self.in_flight = self.most_in_flight = 0  # a proxy's requests being answered at once, and their most
         handler = type(handler.__name__, (handler,), {"served": self, **attrs})
         self.server = _Server((HOST, 0), handler)
         self.port = self.server.server_address[1]
@@ -114,7 +115,8 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
     """Forwards every request to ``upstream`` (host, port). ``faults`` (a deque shared by the proxy) holds what
     the next GETs suffer: ``"500"``, ``"reset"`` (the connection closed with RST, nothing sent), ``"truncate"``
     (the upstream answer with half its body, then the connection closed) or ``"stall"`` (nothing for 2 s, then
-    the connection closed); ``latency`` seconds are added to every request."""
+    the connection closed); ``latency`` seconds are added to every request; ``most_in_flight`` counts the requests
+    answered at once."""
 
     upstream: tuple[str, int]
     served: Served
@@ -126,6 +128,16 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         self.served.count(self.command, self.path)
+        with self.served.lock:
+            self.served.in_flight += 1
+            self.served.most_in_flight = max(self.served.most_in_flight, self.served.in_flight)
+        try:
+            self._answer()
+        finally:
+            with self.served.lock:
+                self.served.in_flight -= 1
+
+    def _answer(self) -> None:
         time.sleep(self.served.latency)
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None

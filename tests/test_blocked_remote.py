@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import noise_folder
 from packed_support import FORMATS, free_port, manifest_bytes, pixel_digest, pixel_table, seen_indices
-from remote_support import S3Server, serve_files
+from remote_support import S3Server, fault_proxy, serve_files
 
 import packer
 from packer.errors import CorruptDataError, RemoteError
@@ -396,3 +396,20 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     before = STATS["requests"]
     assert sorted(seen_indices(quiet, truth[fmt])) == list(range(COUNT))
     assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves
+
+
+def test_the_thread_fetches_several_blocks_at_once_behind_a_slow_link(packs, server, truth, tmp_path):
+    """Each block's request latency overlaps the others': with one reading thread (no worker processes) more
+    than two requests in flight at once can only be the fetch-ahead thread's."""
+    fmt = next((f for f in FORMATS if ranged(f)), None)
+    if fmt is None:
+        pytest.skip("no format has byte-range hooks yet")
+    proxy = fault_proxy(server.url, latency=0.05)
+    try:
+        ds = open_blocked(f"{proxy.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+        loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=True)
+        assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+        assert proxy.most_in_flight >= 3, proxy.most_in_flight
+        assert fetch_ahead_threads() == []
+    finally:
+        proxy.stop()
