@@ -1,10 +1,11 @@
 """Training from object storage with a cache smaller than the dataset: packer vs MosaicML Streaming vs LitData.
 
 The benchmark of issue 25: the same images (a 3,000-image folder resized to a short side of 256 and stored as
-JPEG), in each tool's own format, on a local S3 server (moto, the tests' ``S3Server``) behind the tests'
-latency proxy (``fault_proxy``, ``--latency-ms`` added to every request), read from ``s3://`` through each
-tool's own cache bounded to ``--cache-fraction`` (1/8) of that tool's copy, with RandomResizedCrop 224 +
-horizontal flip, batch 64, 2 worker processes. Each row is one fresh process reading ``--epochs`` (2) epochs
+JPEG), in each tool's own format, on a local S3 server (moto, the tests' ``S3Server``, answering a ranged GET by
+reading only its range as S3 does: ``s3_ranges.py``) behind the tests' latency proxy (``fault_proxy``,
+``--latency-ms`` added to every request), read from ``s3://`` through each tool's own cache bounded to
+``--cache-fraction`` (1/8) of that tool's copy, with RandomResizedCrop 224 + horizontal flip, batch 64, 2 worker
+processes. Each row is one fresh process reading ``--epochs`` (2) epochs
 with an empty cache; the same packer dataset read from local files with a warm page cache is the reference
 every row's epoch-2 images/s is divided by. Each row also scores its order's shuffle quality: packer's
 ``batch_mixing`` (mean total-variation distance between each batch's label histogram and the dataset's; 0 is
@@ -57,6 +58,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import run_peers  # noqa: E402 - beside this script
 from remote_support import S3Server, fault_proxy  # noqa: E402 - the tests' servers
+from s3_ranges import serve_ranges_at_their_cost  # noqa: E402 - beside this script
 
 # tool -> (the peer whose venv it runs in, its adapter)
 TOOLS = {"packer": ("packer", "remote_packer.py"), "streaming": ("streaming", "remote_streaming.py"),
@@ -417,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "cache_fraction": args.cache_fraction, "blocks": args.blocks, "batch_size": args.batch_size,
         "workers": args.workers, "epochs": args.epochs, "repeats": args.repeats, "smoke": args.smoke, "rows": []}
     copies = prepare(args, sys.stderr)
+    serve_ranges_at_their_cost()
     s3 = S3Server(buckets=())
     proxy = fault_proxy(s3.url, latency=args.latency_ms / 1000)
     proxy.server.handle_error = lambda request, address: None  # a reader closing a connection is not news
