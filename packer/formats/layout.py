@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, UsageError
 
 LAYOUT_VERSION = 1  # bump when a format's layout or index arrays change meaning: cached layouts are rebuilt
 
@@ -60,6 +60,24 @@ class LocalSource:
 
     def size(self, relpath: str) -> int:
         return (self.root / relpath).stat().st_size
+
+
+class PrefixedSource:
+    """The :class:`RangeSource` of one folder of a dataset (a part of a distributed conversion): ``relpath``
+    read as ``PREFIX/relpath`` of ``source``."""
+
+    def __init__(self, source: RangeSource, prefix: str):
+        self.source = source
+        self.prefix = prefix.rstrip("/") + "/"
+
+    def read(self, relpath: str, start: int, end: int) -> bytes:
+        return self.source.read(self.prefix + relpath, start, end)
+
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        return self.source.read_many([(self.prefix + relpath, start, end) for relpath, start, end in ranges])
+
+    def size(self, relpath: str) -> int:
+        return self.source.size(self.prefix + relpath)
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,34 @@ class Layout:
                            data["start"].astype(np.int64), data["end"].astype(np.int64), index)
         except (OSError, ValueError, KeyError, EOFError):
             return None
+
+
+def concat_layouts(parts: Sequence[tuple[str, Layout]], where: object) -> Layout:
+    """One layout over several folders' layouts (the parts of a distributed conversion), in order: each part's
+    files named ``FOLDER/file``, its samples after the previous parts', its ``index`` arrays end to end. Every
+    index array must hold one row per sample, under the same names in every part: a format whose index holds
+    anything else (offsets into a shared array) cannot be joined this way, a one-line :class:`UsageError`
+    naming ``where`` (the dataset). Blocks of the result never span two parts (their files differ)."""
+    files: list[str] = []
+    file, start, end = [], [], []
+    names = set(parts[0][1].index) if parts else set()
+    for folder, layout in parts:
+        if set(layout.index) != names:
+            raise UsageError(f"{where}: its parts' layouts hold different arrays; re-pack it in one piece to read "
+                             "it a block at a time")
+        for name, array in layout.index.items():
+            if array.ndim == 0 or len(array) != len(layout):
+                raise UsageError(f"{where}: '{name}' of its parts' layouts is not one row a sample, so a dataset "
+                                 "converted in parts cannot be read a block at a time in this format; raise "
+                                 "cache_limit (or page_budget) to the dataset's size")
+        file.append(layout.file.astype(np.int32) + len(files))
+        files.extend(f"{folder.rstrip('/')}/{name}" for name in layout.files)
+        start.append(layout.start.astype(np.int64))
+        end.append(layout.end.astype(np.int64))
+    index = {name: np.concatenate([layout.index[name] for _, layout in parts]) for name in sorted(names)}
+    if not parts:
+        return Layout((), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return Layout(tuple(files), np.concatenate(file), np.concatenate(start), np.concatenate(end), index)
 
 
 def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:
