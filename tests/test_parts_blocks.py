@@ -9,21 +9,27 @@ and pixels of the local parts reader's sample, and the cache stays within its bo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import noise_folder
 from packed_support import FORMATS, manifest_bytes, pixel_digest, pixel_table, seen_indices
 from remote_support import serve_files
 from test_blocked_remote import CachePoll
 from test_distributed_pack import torchrun
+from test_fields_read import SCHEMA, write_dataset
 
 import packer
-from packer.formats import PartedReader
+from packer.errors import UsageError
+from packer.formats import PartedReader, get_format
+from packer.formats.layout import Layout, concat_layouts
 from packer.remote.cache import Cache
 
 COUNT, SIDE = 480, 16  # 16x16 raw noise images
 BATCH, WORKERS = 16, 2
+FIELDS_COUNT = 24  # samples a part of the image + fields dataset
 OPTIONS = {"lmdb": [], "hdf5": [], "wds": ["--shard-samples", "60"]}  # wds: several shards a part
 
 
@@ -110,3 +116,45 @@ def test_a_folder_in_parts_over_page_budget_is_read_a_block_at_a_time(fmt, packs
     check_layout(ds)
     epochs(ds, truth[fmt])
     assert not list((packs / fmt).rglob("layout-*"))  # the layout is cached in the cache folder, not DEST
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_image_and_fields_dataset_in_parts_gives_the_parts_readers_fields(fmt, tmp_path):
+    """Two parts written by the format's writer (captions, numbers, json, masks, bytes), joined by its
+    merge_parts as a 2-rank conversion joins them, read over page_budget: every sample's payload, label and
+    fields as the local parts reader's, the fields checked against their checksum."""
+    root = tmp_path / "ds"
+    entries = {}
+    for r in range(2):
+        write_dataset(root / f"part-{r:05d}", fmt, SCHEMA, FIELDS_COUNT)
+        part = json.loads((root / f"part-{r:05d}" / "manifest.json").read_text())
+        (root / f"part-{r:05d}" / "manifest.json").unlink()
+        entries[f"part-{r:05d}"] = part
+    merged = get_format(fmt)[0].merge_parts(entries)
+    parts = [{"path": name, "count": FIELDS_COUNT, "range": [r * FIELDS_COUNT, (r + 1) * FIELDS_COUNT]}
+             for r, name in enumerate(entries)]
+    (root / "manifest.json").write_text(json.dumps({**part, **merged, "count": 2 * FIELDS_COUNT, "parts": parts}))
+    local = packer.open_dataset(root).reader
+    assert isinstance(local, PartedReader)
+    blocked = packer.open_dataset(root, page_budget=manifest_bytes(root) // 8, cache_dir=tmp_path / "cache").reader
+    assert type(blocked).__name__ == "BlockedReader" and len(blocked) == len(local) == 2 * FIELDS_COUNT
+    for i in range(len(local)):
+        got, want = blocked.read(i), local.read(i)
+        assert bytes(got.payload) == bytes(want.payload) and got.label == want.label, i
+        assert {k: bytes(v) for k, v in blocked.read_fields(i).items()} == \
+            {k: bytes(v) for k, v in local.read_fields(i).items()}, i
+
+
+def test_parts_whose_index_is_not_one_row_a_sample_are_refused_in_one_line():
+    """The generic join (a format without its own join_index): an array of offsets cannot be put end to end."""
+    def part(n: int) -> Layout:
+        rows = np.arange(n, dtype=np.int64)
+        return Layout(("data",), np.zeros(n, np.int32), rows, rows + 1, {"offsets": np.arange(n + 1)})
+
+    with pytest.raises(UsageError) as error:
+        concat_layouts([("part-00000", part(3)), ("part-00001", part(2))], "DS")
+    assert "DS: 'offsets'" in str(error.value) and "raise cache_limit" in str(error.value)
+    assert "\n" not in str(error.value)
+    joined = concat_layouts([("a", part(3)), ("b", part(2))], "DS", lambda indexes, counts, where: {})
+    assert joined.files == ("a/data", "b/data") and joined.file.tolist() == [0, 0, 0, 1, 1]
+    assert joined.start.tolist() == [0, 1, 2, 0, 1]

@@ -11,7 +11,7 @@ sample's range bytes into its :class:`~packer.formats.Sample`. Nothing here know
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,32 +145,40 @@ class Layout:
             return None
 
 
-def concat_layouts(parts: Sequence[tuple[str, Layout]], where: object) -> Layout:
-    """One layout over several folders' layouts (the parts of a distributed conversion), in order: each part's
-    files named ``FOLDER/file``, its samples after the previous parts', its ``index`` arrays end to end. Every
-    index array must hold one row per sample, under the same names in every part: a format whose index holds
-    anything else (offsets into a shared array) cannot be joined this way, a one-line :class:`UsageError`
-    naming ``where`` (the dataset). Blocks of the result never span two parts (their files differ)."""
-    files: list[str] = []
-    file, start, end = [], [], []
-    names = set(parts[0][1].index) if parts else set()
-    for folder, layout in parts:
-        if set(layout.index) != names:
+def join_rows(indexes: Sequence[dict[str, np.ndarray]], counts: Sequence[int], where: object) -> dict[str, np.ndarray]:
+    """Several layouts' ``index`` (of ``counts[k]`` samples each) end to end: every array must hold one row a
+    sample, under the same names in every part; a one-line :class:`UsageError` naming ``where`` (the dataset)
+    otherwise (an array of offsets into another needs its format's :meth:`~packer.formats.Reader.join_index`)."""
+    names = set(indexes[0]) if indexes else set()
+    for index, count in zip(indexes, counts, strict=True):
+        if set(index) != names:
             raise UsageError(f"{where}: its parts' layouts hold different arrays; re-pack it in one piece to read "
                              "it a block at a time")
-        for name, array in layout.index.items():
-            if array.ndim == 0 or len(array) != len(layout):
+        for name, array in index.items():
+            if array.ndim == 0 or len(array) != count:
                 raise UsageError(f"{where}: '{name}' of its parts' layouts is not one row a sample, so a dataset "
                                  "converted in parts cannot be read a block at a time in this format; raise "
                                  "cache_limit (or page_budget) to the dataset's size")
-        file.append(layout.file.astype(np.int32) + len(files))
-        files.extend(f"{folder.rstrip('/')}/{name}" for name in layout.files)
-        start.append(layout.start.astype(np.int64))
-        end.append(layout.end.astype(np.int64))
-    index = {name: np.concatenate([layout.index[name] for _, layout in parts]) for name in sorted(names)}
+    return {name: np.concatenate([index[name] for index in indexes]) for name in sorted(names)}
+
+
+def concat_layouts(parts: Sequence[tuple[str, Layout]], where: object,
+                   join_index: Callable[..., dict[str, np.ndarray]] = join_rows) -> Layout:
+    """One layout over several folders' layouts (the parts of a distributed conversion), in order: each part's
+    files named ``FOLDER/file``, its samples after the previous parts', its ``index`` joined by ``join_index``
+    (``(indexes, counts, where)``: by default :func:`join_rows`, one row a sample end to end). Blocks of the
+    result never span two parts (their files differ)."""
     if not parts:
         return Layout((), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    return Layout(tuple(files), np.concatenate(file), np.concatenate(start), np.concatenate(end), index)
+    files: list[str] = []
+    file = []
+    for folder, layout in parts:
+        file.append(layout.file.astype(np.int32) + len(files))
+        files.extend(f"{folder.rstrip('/')}/{name}" for name in layout.files)
+    layouts = [layout for _, layout in parts]
+    index = join_index([layout.index for layout in layouts], [len(layout) for layout in layouts], where)
+    return Layout(tuple(files), np.concatenate(file), np.concatenate([layout.start for layout in layouts]),
+                  np.concatenate([layout.end for layout in layouts]), index)
 
 
 def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:

@@ -59,7 +59,7 @@ def dataset_layout(format_class: type[Reader], manifest: dict, source: RangeSour
             part = PrefixedSource(source, entry["path"])
             layouts.append((entry["path"], format_class.layout(part_manifest(manifest, entry), part,
                                                                f"{root}/{entry['path']}")))
-    return concat_layouts(layouts, where)
+    return concat_layouts(layouts, where, format_class.join_index)
 
 
 def _within(part: str, damaged_files: set[str]) -> set[str]:
