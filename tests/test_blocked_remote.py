@@ -204,14 +204,17 @@ def test_a_short_range_is_refused_in_one_line(packs, tmp_path):
         served.stop()
 
 
-def test_a_dataset_that_fits_keeps_whole_files_and_one_in_parts_must_fit(packs, server, tmp_path):
+def test_a_dataset_that_fits_keeps_whole_files_and_one_in_parts_is_read_a_block_at_a_time(packs, server, tmp_path):
     total = data_bytes(packs, "lmdb")
     ds = packer.open_dataset(f"{server.url}/lmdb", cache_dir=tmp_path / "cache", cache_limit=2 * total)
     assert type(ds.reader).__name__ != "BlockedReader" and len(ds) == COUNT
-    with pytest.raises(RemoteError) as error:
-        packer.open_dataset(f"{server.url}/parted", cache_dir=tmp_path / "cache", cache_limit=total)
-    assert "converted in parts" in str(error.value) and "raise cache_limit" in str(error.value)
-    assert "\n" not in str(error.value)
+    # 2 * total bytes, in a cache of its own (the dataset above keeps its files pinned in its cache)
+    parted = open_blocked(f"{server.url}/parted", tmp_path / "other", total, decode=False)
+    local = packer.open_dataset(packs / "parted", decode=False)  # the local parts reader
+    assert len(parted) == len(local) == 2 * COUNT
+    assert parted.reader.layout.files == ("part-00000/data.mdb", "part-00001/data.mdb")
+    for i in range(0, 2 * COUNT, 7):
+        assert bytes(parted[i][0]) == bytes(local[i][0]) and parted[i][1] == local[i][1], i
 
 
 @pytest.mark.parametrize("fmt", BLOCKED)

@@ -22,7 +22,7 @@ from ..errors import CorruptDataError, UsageError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
 from ..manifest import add_key_check, label_bounds, read_local_manifest
 from ..transforms import Encoded, TransformSpec
-from .layout import Layout, RangeSource
+from .layout import Layout, RangeSource, join_rows
 
 
 class Writer(ABC):
@@ -256,6 +256,14 @@ class Reader(ABC):
             CorruptDataError: the files disagree with ``manifest``."""
         raise UsageError(f"{where}: {cls.format or 'this'} datasets cannot be read a block at a time; raise "
                          "cache_limit to the dataset's size")
+
+    @classmethod
+    def join_index(cls, indexes: Sequence[dict[str, np.ndarray]], counts: Sequence[int],
+                   where: object) -> dict[str, np.ndarray]:
+        """The ``index`` of the layout of a conversion made in parts, from each part's (``counts``: its
+        samples), in order: by default each array end to end, which must hold one row a sample
+        (:func:`~packer.formats.layout.join_rows`); a format whose index holds more joins it here."""
+        return join_rows(indexes, counts, where)
 
     @classmethod
     def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:

@@ -25,6 +25,7 @@ from ..errors import CorruptDataError, UsageError
 from ..system import usable_cores
 from .base import Reader, Sample
 from .layout import LAYOUT_VERSION, Layout, RangeSource, span_blocks
+from .parts import dataset_layout
 
 BLOCK_CAP = 64 << 20  # the largest block: a few seconds of decoding on one core
 WINDOW = 4  # make_loader's block_window default: the blocks one window of the order mixes
@@ -86,7 +87,7 @@ def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int =
     path = found.layout_path(LAYOUT_VERSION)
     layout = Layout.load(path) if path.exists() else None
     if layout is None:
-        layout = reader_class.layout(found.manifest, found.source, found.url)
+        layout = dataset_layout(reader_class, found.manifest, found.source, found.url)
         layout.save(path)
     layout.check(int(found.manifest["count"]), [found.source.size(f) for f in layout.files], found.url)
     block, ahead = block_budget(found.limit, window)
@@ -123,6 +124,7 @@ class BlockedReader(Reader):
     """
 
     HANDLES = ("_blocks", "_lock")
+    ACCEPTS_PARTS = True  # a conversion made in parts is one layout over its parts' files (dataset_layout)
 
     def __init__(self, format_class: type[Reader], manifest: dict, layout: Layout, store: BlockStore, where: str,
                  starts: np.ndarray, root: str | os.PathLike, fetch_ahead: int = WINDOW, keep: int = KEEP_BLOCKS):

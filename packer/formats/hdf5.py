@@ -36,7 +36,7 @@ from ..transforms import Encoded
 from .base import Reader, Sample, Writer, blocks_by_size, register
 from .hdf5_ranges import RangeFile, check_offsets, extent, read_arrays
 from .identity import changed_error, check_unchanged, file_id
-from .layout import Layout, RangeSource
+from .layout import Layout, RangeSource, join_rows
 
 FILENAME = "data.h5"
 COPY_BYTES = 64 << 20
@@ -395,6 +395,29 @@ class Hdf5Reader(Reader):
         layout = Layout((FILENAME,), np.zeros(n, np.int32), start, end, index)
         layout.check(n, [file.size], where)
         return layout
+
+    @classmethod
+    def join_index(cls, indexes: Sequence[dict[str, np.ndarray]], counts: Sequence[int],
+                   where: object) -> dict[str, np.ndarray]:
+        """The parts' indexes joined: a bytes field's ``values.NAME`` (its bytes) end to end and its
+        ``offsets.NAME`` moved past the parts before (one offset more than samples); every other array one row
+        a sample, end to end."""
+        rest = [dict(index) for index in indexes]
+        joined: dict[str, np.ndarray] = {}
+        names = [key[len("offsets."):] for key in indexes[0] if key.startswith("offsets.")] if indexes else []
+        for name in names:
+            keys = (f"values.{name}", f"offsets.{name}")
+            if not all(key in index for index in rest for key in keys):
+                continue  # a part without it: join_rows says the parts differ
+            pieces, offsets, base = [], [np.zeros(1, np.int64)], 0
+            for index in rest:
+                values, offset = index.pop(keys[0]), index.pop(keys[1]).astype(np.int64)
+                first, last = int(offset[0]), int(offset[-1])  # checked within values by the part's layout
+                pieces.append(values[first:last])
+                offsets.append(offset[1:] - first + base)
+                base += last - first
+            joined[keys[0]], joined[keys[1]] = np.concatenate(pieces), np.concatenate(offsets)
+        return {**join_rows(rest, counts, where), **joined}
 
     @classmethod
     def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:

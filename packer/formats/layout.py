@@ -11,7 +11,7 @@ sample's range bytes into its :class:`~packer.formats.Sample`. Nothing here know
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, UsageError
 
 LAYOUT_VERSION = 1  # bump when a format's layout or index arrays change meaning: cached layouts are rebuilt
 
@@ -60,6 +60,24 @@ class LocalSource:
 
     def size(self, relpath: str) -> int:
         return (self.root / relpath).stat().st_size
+
+
+class PrefixedSource:
+    """The :class:`RangeSource` of one folder of a dataset (a part of a distributed conversion): ``relpath``
+    read as ``PREFIX/relpath`` of ``source``."""
+
+    def __init__(self, source: RangeSource, prefix: str):
+        self.source = source
+        self.prefix = prefix.rstrip("/") + "/"
+
+    def read(self, relpath: str, start: int, end: int) -> bytes:
+        return self.source.read(self.prefix + relpath, start, end)
+
+    def read_many(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        return self.source.read_many([(self.prefix + relpath, start, end) for relpath, start, end in ranges])
+
+    def size(self, relpath: str) -> int:
+        return self.source.size(self.prefix + relpath)
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,42 @@ class Layout:
                            data["start"].astype(np.int64), data["end"].astype(np.int64), index)
         except (OSError, ValueError, KeyError, EOFError):
             return None
+
+
+def join_rows(indexes: Sequence[dict[str, np.ndarray]], counts: Sequence[int], where: object) -> dict[str, np.ndarray]:
+    """Several layouts' ``index`` (of ``counts[k]`` samples each) end to end: every array must hold one row a
+    sample, under the same names in every part; a one-line :class:`UsageError` naming ``where`` (the dataset)
+    otherwise (an array of offsets into another needs its format's :meth:`~packer.formats.Reader.join_index`)."""
+    names = set(indexes[0]) if indexes else set()
+    for index, count in zip(indexes, counts, strict=True):
+        if set(index) != names:
+            raise UsageError(f"{where}: its parts' layouts hold different arrays; re-pack it in one piece to read "
+                             "it a block at a time")
+        for name, array in index.items():
+            if array.ndim == 0 or len(array) != count:
+                raise UsageError(f"{where}: '{name}' of its parts' layouts is not one row a sample, so a dataset "
+                                 "converted in parts cannot be read a block at a time in this format; raise "
+                                 "cache_limit (or page_budget) to the dataset's size")
+    return {name: np.concatenate([index[name] for index in indexes]) for name in sorted(names)}
+
+
+def concat_layouts(parts: Sequence[tuple[str, Layout]], where: object,
+                   join_index: Callable[..., dict[str, np.ndarray]] = join_rows) -> Layout:
+    """One layout over several folders' layouts (the parts of a distributed conversion), in order: each part's
+    files named ``FOLDER/file``, its samples after the previous parts', its ``index`` joined by ``join_index``
+    (``(indexes, counts, where)``: by default :func:`join_rows`, one row a sample end to end). Blocks of the
+    result never span two parts (their files differ)."""
+    if not parts:
+        return Layout((), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    files: list[str] = []
+    file = []
+    for folder, layout in parts:
+        file.append(layout.file.astype(np.int32) + len(files))
+        files.extend(f"{folder.rstrip('/')}/{name}" for name in layout.files)
+    layouts = [layout for _, layout in parts]
+    index = join_index([layout.index for layout in layouts], [len(layout) for layout in layouts], where)
+    return Layout(tuple(files), np.concatenate(file), np.concatenate([layout.start for layout in layouts]),
+                  np.concatenate([layout.end for layout in layouts]), index)
 
 
 def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:

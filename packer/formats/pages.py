@@ -232,17 +232,11 @@ def _layout_folder(cache_dir: str | os.PathLike | None) -> Path:
 def open_local(root: str | os.PathLike, manifest: dict, page_budget: int,
                cache_dir: str | os.PathLike | None = None) -> BlockedLocal | None:
     """What ``open_blocked`` reads for the local dataset ``root`` (its ``manifest``) within ``page_budget``
-    bytes of page cache; None when its data files fit the budget whole (the mapped readers keep them).
-
-    Raises:
-        UsageError: a dataset converted in parts, larger than the budget (one line).
-    """
+    bytes of page cache; None when its data files fit the budget whole (the mapped readers keep them). A
+    dataset converted in parts is read a block at a time like any other (its parts' layouts joined)."""
     total = sum(int(entry["bytes"]) for entry in manifest["files"])
     if total <= page_budget:
         return None
-    if manifest.get("parts") is not None:
-        raise UsageError(f"{root}: a dataset converted in parts is not read a block at a time; leave page_budget "
-                         f"unset or raise it to its {total:,} bytes")
     return BlockedLocal(os.fspath(root), manifest, Path(root), UncachedSource(root), LocalBlocks(root), page_budget,
                         total, _layout_folder(cache_dir))
 

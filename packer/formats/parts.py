@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import ManifestError
 from ..manifest import MANIFEST, is_safe_relpath
 from .base import Reader, Sample, get_format
+from .layout import Layout, PrefixedSource, RangeSource, concat_layouts
 
 
 def check_parts(manifest: dict, where: str) -> list[dict]:
@@ -43,6 +44,22 @@ def part_manifest(manifest: dict, entry: dict) -> dict:
             sub[key] = [{**e, "path": e["path"][len(prefix):]} for e in manifest[key]
                         if isinstance(e, dict) and str(e.get("path", "")).startswith(prefix)]
     return sub
+
+
+def dataset_layout(format_class: type[Reader], manifest: dict, source: RangeSource, where: str) -> Layout:
+    """The :class:`~packer.formats.layout.Layout` of a dataset read a block at a time: its format's
+    (:meth:`Reader.layout`), or for a conversion made in parts each part's, computed by the format over the
+    part's folder and joined in the order :class:`PartedReader` gives the samples (empty parts left out)."""
+    if manifest.get("parts") is None:
+        return format_class.layout(manifest, source, where)
+    root = str(where).rstrip("/")
+    layouts = []
+    for entry in check_parts(manifest, f"{root}/{MANIFEST}"):
+        if entry["count"]:  # a rank whose images were all skipped holds no file the layout needs
+            part = PrefixedSource(source, entry["path"])
+            layouts.append((entry["path"], format_class.layout(part_manifest(manifest, entry), part,
+                                                               f"{root}/{entry['path']}")))
+    return concat_layouts(layouts, where, format_class.join_index)
 
 
 def _within(part: str, damaged_files: set[str]) -> set[str]:

@@ -73,8 +73,8 @@ def open_remote(path: str | os.PathLike | Any, storage_options: dict | None = No
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> Any:
     """As :func:`local_dataset`, except for a URL whose data files are larger than ``cache_limit``: then a
     :class:`~packer.remote.ranges.BlockedRemote` (the manifest, a range source for the format's layout and a
-    block store), which ``open_dataset`` reads a block at a time. A dataset converted in parts still has to fit
-    (the one-line error says so)."""
+    block store), which ``open_dataset`` reads a block at a time (a dataset converted in parts too: its parts'
+    layouts are joined)."""
     if not isinstance(path, (str, os.PathLike)) or parse_url(path) is None:
         return path
     from .cache import Cache
@@ -86,7 +86,7 @@ def open_remote(path: str | os.PathLike | Any, storage_options: dict | None = No
     cache = Cache(cache_dir, cache_limit)
     manifest, text = remote_manifest(remote, storage_options)
     total = sum(int(entry["bytes"]) for entry in manifest["files"])
-    if cache.limit is None or total <= cache.limit or manifest.get("parts") is not None:
+    if cache.limit is None or total <= cache.limit:
         return Path(resolve_fetched(remote, manifest, text, storage_options, cache))
     view = cache.view(remote.url)
     view.mkdir(parents=True, exist_ok=True)

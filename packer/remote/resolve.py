@@ -109,10 +109,8 @@ def resolve_fetched(remote: RemoteUrl, manifest: dict, text: bytes, storage_opti
     """:func:`resolve` of a dataset whose manifest (parsed, and its bytes) was fetched already."""
     total = sum(entry["bytes"] for entry in manifest["files"])
     if cache.limit is not None and total > cache.limit:
-        why = ("a dataset converted in parts keeps every file cached" if manifest.get("parts") is not None
-               else "random access keeps every file cached")
-        raise RemoteError(f"{remote.url}: the dataset is {total:,} bytes, over cache_limit {cache.limit:,}; {why}: "
-                          "raise cache_limit, or read it with packer.stream")
+        raise RemoteError(f"{remote.url}: the dataset is {total:,} bytes, over cache_limit {cache.limit:,}; random "
+                          "access keeps every file cached: raise cache_limit, or read it with packer.stream")
     view = cache.view(remote.url)
     view.mkdir(parents=True, exist_ok=True)
 
