@@ -7,7 +7,8 @@ A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_lo
 stream}), "epochs", "state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null,
 "state_out", "out"}``. Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels,
 indices]...], "state", "states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in
-the dataset opened without augmentation (None when a sample is not found there).
+the dataset opened without augmentation (None when a sample is not found there), or in ``"table": {"path",
+"open": {kwargs of open_dataset}}`` when the job gives one (a URL's local copy, opened with the same resize).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def run(job: dict, rank: int, world: int) -> None:
-    plain = packer.open_dataset(job["path"])
+    table_of = job.get("table", {"path": job["path"]})  # where samples are recognised: a URL's local copy
+    plain = packer.open_dataset(table_of["path"], **table_of.get("open", {}))
     table = {digest(plain[i][0]): i for i in range(len(plain))}
     if "stream" in job:  # packer.stream(path, **job["stream"])
         loader = packer.stream(job["path"], **job["stream"])
