@@ -133,17 +133,16 @@ def test_saved_at_two_ranks_of_two_workers_resumes_at_one_with_the_augmentation(
     assert poll.most <= limit + shard and server.sent - sent <= 1.1 * total
 
 
-def test_s3_two_epochs_within_the_cache(packs, sizes, resized, tmp_path):
-    total, limit, shard = sizes
+def test_s3_an_epoch_within_the_cache(packs, sizes, resized, tmp_path):
+    _, limit, shard = sizes
     s3 = S3Server()
     try:
         url = "s3://bucket/stream/wds"
         packer.pack(packs.parent / "src", url, "wds", store="raw", shard_samples=SHARD, progress=False, workers=1)
         loader = remote(url, tmp_path / "cache", limit, **RESIZE)
-        for _ in range(2):
-            with CachePoll(tmp_path / "cache") as poll:
-                assert sorted(seen_indices(loader, resized)) == list(range(COUNT))
-            assert poll.most <= limit + WORKERS * shard
+        with CachePoll(tmp_path / "cache") as poll:
+            assert sorted(seen_indices(loader, resized)) == list(range(COUNT))
+        assert poll.most <= limit + WORKERS * shard
     finally:
         s3.stop()
 
@@ -195,7 +194,8 @@ def test_torchrun_two_ranks_stream_the_url_then_one_process_resumes(packs, serve
                out=str(tmp_path / "one.{rank}.out"))
     sent = server.sent
     launch([whole, two], tmp_path, "torchrun", ranks=2)
-    assert server.sent - sent <= 2 * 1.1 * total + total, (server.sent - sent, total)  # 2 epochs, 3 batches
+    # two epochs, then the start of a third (3 batches, and what the workers read ahead of them)
+    assert server.sent - sent <= (2 * 1.1 + 0.2) * total, (server.sent - sent, total)
     ranks = [read_out(whole["out"], r) for r in range(2)]
     label_of = dict(resized.values())
     assert all(out["world"] == 2 for out in ranks)
