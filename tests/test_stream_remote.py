@@ -131,6 +131,13 @@ def test_saved_at_two_ranks_of_two_workers_resumes_at_one_with_the_augmentation(
     assert all(images.shape[1:] == (3, 12, 12) for images, _ in batches)
     assert sorted(taken + rest) == list(range(COUNT)), "each sample of the epoch exactly once"
     assert poll.most <= limit + shard and server.sent - sent <= 1.1 * total
+    parts = []
+    for rank in range(3):  # and at three ranks, in this process
+        loader = remote(url, cache, limit, rank, 3, workers=0, **AUGMENT)
+        loader.load_state_dict(states[0])
+        parts.append(seen_indices(loader, table))
+    assert len({len(part) for part in parts}) == 1, "every rank as many samples"
+    assert sorted(taken + [i for part in parts for i in part]) == list(range(COUNT))
 
 
 def test_s3_an_epoch_within_the_cache(packs, sizes, resized, tmp_path):
@@ -182,7 +189,7 @@ def test_two_processes_streaming_one_url_share_the_cache(server, sizes, resized,
 def test_torchrun_two_ranks_stream_the_url_then_one_process_resumes(packs, server, sizes, resized, tmp_path):
     """A real 2-rank torchrun launch (one worker each, sharing the cache) reads two epochs, then an epoch it
     stops after 3 batches; one plain process resumes that state: every sample once an epoch."""
-    total, limit, _ = sizes
+    total, limit, shard = sizes
     stream = {"batch_size": BATCH, "num_workers": 1, "seed": SEED, "buffer": BUFFER, "cache_dir": str(tmp_path / "c"),
               "cache_limit": limit, **RESIZE}
     job = {"path": f"{server.url}/wds", "table": {"path": str(packs / "wds"), "open": RESIZE}, "open": {},
@@ -193,7 +200,9 @@ def test_torchrun_two_ranks_stream_the_url_then_one_process_resumes(packs, serve
     one = dict(job, epochs=1, state_in=str(tmp_path / "two.state"), stop=None, state_out=None,
                out=str(tmp_path / "one.{rank}.out"))
     sent = server.sent
-    launch([whole, two], tmp_path, "torchrun", ranks=2)
+    with CachePoll(tmp_path / "c") as poll:  # the ranks' workers share the node's cache
+        launch([whole, two], tmp_path, "torchrun", ranks=2)
+    assert poll.most <= limit + 2 * shard, (poll.most, limit, shard)
     # two epochs, then the start of a third (3 batches, and what the workers read ahead of them)
     assert server.sent - sent <= (2 * 1.1 + 0.2) * total, (server.sent - sent, total)
     ranks = [read_out(whole["out"], r) for r in range(2)]
