@@ -101,6 +101,16 @@ def test_two_epochs_with_resize_every_sample_once_within_the_cache(packs, server
     assert orders[0] != orders[1]
 
 
+def test_a_cache_of_little_more_than_a_shard_per_worker_still_gives_every_sample(server, sizes, resized, tmp_path):
+    """The smallest cache stream takes (one shard per worker) and half a shard: the workers wait for no one and
+    find room, each fetching what it reads."""
+    _, _, shard = sizes
+    limit, cache = WORKERS * shard + shard // 2, tmp_path / "cache"
+    with CachePoll(cache) as poll:
+        assert sorted(seen_indices(remote(f"{server.url}/wds", cache, limit, **RESIZE), resized)) == list(range(COUNT))
+    assert poll.most <= limit + WORKERS * shard, (poll.most, limit, shard)
+
+
 def test_saved_at_two_ranks_of_two_workers_resumes_at_one_with_the_augmentation(packs, server, sizes, tmp_path):
     """random_resized_crop + flip: each sample's window comes from (seed, epoch, index), so whichever rank and
     worker takes a sample, its image is ``open_dataset(local, seed=SEED)``'s at that epoch."""
