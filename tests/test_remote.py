@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import packer
 import packer.remote
 from packer.errors import DestinationError, RemoteError, UrlError, UsageError
 from packer.formats import Reader, get_format
-from packer.remote.cache import Cache
+from packer.remote.cache import Cache, CacheFull, when_room
 from packer.verify import verify
 
 FORMATS = ("lmdb", "hdf5", "wds")
@@ -243,6 +244,26 @@ def test_eviction_is_lru_and_skips_pinned_files(tmp_path):
     assert cache.used() <= 250 and outside.read_bytes() == b"x" * 1000
     with pytest.raises(RemoteError, match="cannot fit"):
         Cache(tmp_path / "cache", limit=150).obtain("f" * 64, 100, lambda path: None)
+
+
+def test_a_full_cache_waits_for_room_and_an_object_over_the_limit_fails_at_once(tmp_path):
+    """A reader (a stream's shard, a block) whose object finds every cached byte pinned by another reader waits
+    for it to let go; an object larger than the whole limit is one line at once, not a wait."""
+    cache = Cache(tmp_path / "cache", limit=150)
+    blobs = [bytes([n]) * 100 for n in range(2)]
+    shas = [hashlib.sha256(b).hexdigest() for b in blobs]
+    held = cache.obtain(shas[0], 100, lambda path: path.write_bytes(blobs[0]))
+    with pytest.raises(CacheFull):
+        cache.obtain(shas[1], 100, lambda path: path.write_bytes(blobs[1]))
+    threading.Timer(0.3, held.release).start()
+    started = time.monotonic()
+    pin = when_room(lambda: cache.obtain(shas[1], 100, lambda path: path.write_bytes(blobs[1])))
+    assert pin is not None and pin.path.read_bytes() == blobs[1] and time.monotonic() - started >= 0.25
+    assert when_room(lambda: cache.obtain(shas[0], 100, lambda path: None), wait=False) is None  # pinned: no room
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="cannot fit an object of 200 bytes within cache_limit 150; raise") as error:
+        when_room(lambda: cache.obtain("e" * 64, 200, lambda path: None))
+    assert not isinstance(error.value, CacheFull) and time.monotonic() - started < 1
 
 
 # --------------------------------------------------------------------------------------------------------------

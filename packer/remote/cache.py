@@ -55,6 +55,24 @@ class CacheFull(RemoteError):
     """No room for an object within ``cache_limit``: what is cached is pinned by readers or downloads."""
 
 
+WAIT_FOR_ROOM = 120.0  # seconds a reader waits for room in a full cache (others' pins) before it gives up
+
+
+def when_room(obtain: Callable[[], Pin], wait: bool = True) -> Pin | None:
+    """``obtain()``; when the cache is full (others hold what it caches), with ``wait`` retried until they let go
+    (the :class:`CacheFull` after ``WAIT_FOR_ROOM`` seconds), else None at once."""
+    deadline = time.monotonic() + WAIT_FOR_ROOM
+    while True:
+        try:
+            return obtain()
+        except CacheFull:
+            if not wait:
+                return None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 # Descriptors a forked child closes at once: the cache's locks a thread holds while it fetches (a child that kept
 # one would hold the lock for its whole life: every process on the node would wait for it) and the pins of blocks
 # (a persistent DataLoader worker would keep them from being evicted). fd -> the pid that opened it.
@@ -221,6 +239,9 @@ class Cache:
         return sum(size for _, size, _ in self.entries())
 
     def _make_room(self, size: int) -> None:
+        if size > self.limit:  # no eviction can make room: not worth waiting for (not a CacheFull)
+            raise RemoteError(f"{self.root}: cannot fit an object of {size:,} bytes within cache_limit "
+                              f"{self.limit:,}; raise cache_limit above the dataset's largest file")
         entries = sorted(self.entries())
         total = sum(s for _, s, _ in entries)
         for _, bytes_, path in entries:

@@ -15,20 +15,17 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import RemoteError
-from .cache import Cache, CacheFull, Pin
+from .cache import Cache, Pin, when_room
 from .fetch import _cat, retrying
 from .fs import filesystem
 from .resolve import FETCH_THREADS, fetch_file
 from .url import RemoteUrl
-
-WAIT_FOR_ROOM = 120.0  # seconds a reader waits for room in a full cache (others' pins) before it gives up
 
 
 def range_name(sha256: str, start: int, end: int, size: int) -> str:
@@ -151,16 +148,8 @@ class RemoteBlocks:
         return self._cache[1]
 
     def _pin(self, relpath: str, start: int, end: int, wait: bool) -> Pin | None:
-        deadline = time.monotonic() + WAIT_FOR_ROOM
-        while True:
-            try:
-                return fetch_range(self.cache, self.remote, self.entries[relpath], start, end, self.storage_options)
-            except CacheFull:
-                if not wait:
-                    return None
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        return when_room(lambda: fetch_range(self.cache, self.remote, self.entries[relpath], start, end,
+                                             self.storage_options), wait)
 
     def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:
         """Fetch the block into the cache when it is not there, pin it, and return the pin's release. When the

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import ManifestError, RemoteError, UrlError
 from ..manifest import MANIFEST, max_manifest_bytes, parse_manifest
-from .cache import Cache, Pin
+from .cache import Cache, Pin, when_room
 from .fetch import download, read_bytes
 from .fs import filesystem
 from .url import RemoteUrl, parse_url
@@ -179,7 +179,9 @@ class RemoteFile:
                 download(fs, self.url, Path(tmp.name), self.entry["bytes"], self.entry["sha256"])
                 yield Path(tmp.name)
             return
-        pin = fetch_file(Cache(self.cache_dir, self.cache_limit), self.remote, self.entry, self.storage_options)
+        cache = Cache(self.cache_dir, self.cache_limit)
+        pin = when_room(lambda: fetch_file(cache, self.remote, self.entry, self.storage_options))
+        assert pin is not None  # waited for room
         try:
             yield pin.path
         finally:
