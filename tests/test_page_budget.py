@@ -10,16 +10,20 @@ layout is cached in the cache folder, never in the dataset's; bad budgets are on
 
 from __future__ import annotations
 
+import collections
+import json
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import noise_folder
-from packed_support import FORMATS, manifest_bytes, pixel_table, seen_indices
+from packed_support import FORMATS, free_port, manifest_bytes, pixel_table, seen_indices
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
@@ -28,6 +32,7 @@ from packer.formats.pages import LocalBlocks
 
 COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
 BATCH, WORKERS = 16, 2
+WORKER = Path(__file__).with_name("blocked_worker.py")  # one torchrun rank (test_blocked_remote's, too)
 PACK = {"lmdb": {}, "hdf5": {}, "wds": {"shard_samples": 120}}
 
 
@@ -155,6 +160,32 @@ def test_a_mid_epoch_state_resumes_exactly(fmt, packs, truth, tmp_path):
     resumed = loader_of()
     resumed.load_state_dict(state)
     assert seen_indices(first, truth[fmt]) + seen_indices(resumed, truth[fmt]) == epochs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torchrun_two_ranks_read_every_sample_once_an_epoch_within_the_page_budget(fmt, packs, truth, tmp_path):
+    ranks = 2
+    budget, files = data_bytes(packs, fmt) // 8, data_files(packs, fmt)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(WORKER), str(packs / fmt), str(tmp_path / "cache"), str(budget),
+           str(tmp_path), str(WORKERS)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    dropped(files)
+    with ResidencyPoll(files) as poll:  # this process samples the pages while the ranks read
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for epoch in range(2):
+        assert len({len(r["epochs"][epoch]) for r in out}) == 1  # every rank the same number of batches
+        pairs = [pair for r in out for batch in r["epochs"][epoch] for pair in batch]
+        assert all(truth[fmt][d][1] == label for d, label in pairs)  # pixels and label of the mapped reader's
+        assert collections.Counter(truth[fmt][d][0] for d, _ in pairs) == dict.fromkeys(range(COUNT), 1)
+    block = max(r["block"] for r in out)
+    # one block per worker of each rank beyond the budget, and mincore's whole pages (see the test above)
+    pages = 2 * mmap.PAGESIZE * (budget // block + ranks * WORKERS + 1)
+    assert poll.samples > 0 and poll.most <= budget + ranks * WORKERS * block + pages, (poll.most, budget, block)
 
 
 def test_the_layout_is_cached_in_the_cache_folder_never_in_the_dataset(packs, tmp_path):
