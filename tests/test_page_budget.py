@@ -260,6 +260,29 @@ def test_damaged_bytes_are_one_line_naming_the_folder_and_file(fmt, packs, tmp_p
         ds[index]
     assert f"{tmp_path / fmt}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
     assert "\n" not in str(error.value)
+    assert not any(url_word in str(error.value) for url_word in ("fetched", "re-upload", "cache")), error.value
     with pytest.raises(UsageError) as error:
         ds.relpath(index)
     assert "page_budget" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_damaged_local_block_says_to_verify_and_re_pack_naming_the_file(packs, tmp_path):
+    """A local folder's messages speak of its files (a URL's, of fetched bytes and the cache)."""
+    shutil.copytree(packs / "hdf5", tmp_path / "hdf5")
+    ds = open_paged(tmp_path, "hdf5", tmp_path)
+    layout, index, folder = ds.reader.layout, 77, tmp_path / "hdf5"
+    path = folder / layout.files[int(layout.file[index])]
+    with open(path, "r+b") as f:  # the middle of its pixels: only the checksum can tell
+        f.seek((int(layout.start[index]) + int(layout.end[index])) // 2)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    with pytest.raises(CorruptDataError) as error:
+        ds[index]
+    assert str(error.value) == (f"{path} sample {index}: checksum mismatch, the file's bytes are damaged; run "
+                                f"`packer verify {folder}` and re-pack")
+    last = len(ds) - 1  # a file cut short after it was opened: its last block is short
+    os.truncate(path, int(layout.end[last]) - 1)
+    with pytest.raises(CorruptDataError) as error:
+        ds[last]
+    said = str(error.value)
+    assert said.startswith(f"{path} sample {last}: its block holds") and "\n" not in said
+    assert f"the file is shorter than when the dataset was opened; run `packer verify {folder}` and re-pack" in said
