@@ -1,11 +1,12 @@
 """A local dataset read a block at a time within a page-cache budget (``open_dataset(FOLDER, page_budget=...)``):
 real packed files in every format, read for two epochs through real DataLoader worker processes with the budget
-at 1/8 of the data.
+at 1/8 of the data, in this process and under a real 2-rank torchrun (tests/blocked_worker.py).
 
 Each epoch gives every sample exactly once, with the pixels and label of the mapped reader's sample; the data
 files' pages in the page cache (``mincore``, sampled on a thread while the epoch runs, after the files were
 dropped from it) stay within the budget and one block per worker; a state saved mid-epoch resumes exactly; the
-layout is cached in the cache folder, never in the dataset's; bad budgets are one line.
+layout is cached in the cache folder, never in the dataset's; bad budgets and damaged files are one line, naming
+the file, in a local folder's words (not a URL's).
 """
 
 from __future__ import annotations
