@@ -1,14 +1,18 @@
-"""One rank of test_blocked_remote.py's torchrun test: ``blocked_worker.py URL CACHE LIMIT OUT_DIR``.
+"""One rank of a torchrun test of a dataset read a block at a time: ``blocked_worker.py SOURCE CACHE LIMIT OUT_DIR
+[WORKERS]``.
 
-Opens the URL (larger than LIMIT, so read a block at a time), reads two epochs with ``make_loader(shuffle=True)``
-(block-aware) through one worker process, and writes each batch's images (by digest) and labels, the most bytes
-the cache held (polled on a thread) and the largest block, to ``OUT_DIR/rank<R>.json``.
+A URL SOURCE (test_blocked_remote.py) is opened with ``cache_limit=LIMIT`` and read with ``shuffle=True``
+(block-aware, as it is larger than LIMIT); a local folder (test_page_budget.py) with ``page_budget=LIMIT`` and
+``shuffle="blocks"``. Either is read for two epochs through WORKERS worker processes (default 1), and each batch's
+images (by digest) and labels, the largest block and, for a URL, the most bytes the cache held (polled on a
+thread) are written to ``OUT_DIR/rank<R>.json``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import threading
 
@@ -19,14 +23,17 @@ from packer.remote.cache import Cache
 
 
 def main() -> None:
-    url, cache, limit, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    source, cache, limit, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    workers = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    local = os.path.isdir(source)
+    budget = {"page_budget": limit} if local else {"cache_limit": limit}
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 0:  # the layout, computed once before the other rank opens it
-        packer.open_dataset(url, cache_dir=cache, cache_limit=limit)
+        packer.open_dataset(source, cache_dir=cache, **budget)
     dist.barrier()
-    ds = packer.open_dataset(url, cache_dir=cache, cache_limit=limit)
-    loader = packer.make_loader(ds, batch_size=16, num_workers=1, shuffle=True)
+    ds = packer.open_dataset(source, cache_dir=cache, **budget)
+    loader = packer.make_loader(ds, batch_size=16, num_workers=workers, shuffle="blocks" if local else True)
     most, stop = [0], threading.Event()
 
     def poll() -> None:
@@ -35,14 +42,16 @@ def main() -> None:
             most[0] = max(most[0], min(used.used(), used.used()))  # two counts: see test_blocked_remote's CachePoll
 
     thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
+    if not local:  # a local dataset's pages are counted by the test (mincore), not in the cache folder
+        thread.start()
     epochs = []
     for _ in range(2):
         epochs.append([[[hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest(), int(label)]
                         for image, label in zip(images, labels, strict=True)] for images, labels in loader])
         dist.barrier()
     stop.set()
-    thread.join()
+    if not local:
+        thread.join()
     spans = ds.reader.spans
     result = {"epochs": epochs, "most": most[0], "block": int((spans[:, 2] - spans[:, 1]).max())}
     with open(f"{out}/rank{rank}.json", "w") as f:

@@ -1,25 +1,30 @@
 """A local dataset read a block at a time within a page-cache budget (``open_dataset(FOLDER, page_budget=...)``):
 real packed files in every format, read for two epochs through real DataLoader worker processes with the budget
-at 1/8 of the data.
+at 1/8 of the data, in this process and under a real 2-rank torchrun (tests/blocked_worker.py).
 
 Each epoch gives every sample exactly once, with the pixels and label of the mapped reader's sample; the data
 files' pages in the page cache (``mincore``, sampled on a thread while the epoch runs, after the files were
 dropped from it) stay within the budget and one block per worker; a state saved mid-epoch resumes exactly; the
-layout is cached in the cache folder, never in the dataset's; bad budgets are one line.
+layout is cached in the cache folder, never in the dataset's; bad budgets and damaged files are one line, naming
+the file, in a local folder's words (not a URL's).
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import noise_folder
-from packed_support import FORMATS, manifest_bytes, pixel_table, seen_indices
+from packed_support import FORMATS, free_port, manifest_bytes, pixel_table, seen_indices
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
@@ -28,6 +33,7 @@ from packer.formats.pages import LocalBlocks
 
 COUNT, SIDE = 480, 64  # 64x64 raw noise images: 12 KiB of pixels each, blocks of many pages
 BATCH, WORKERS = 16, 2
+WORKER = Path(__file__).with_name("blocked_worker.py")  # one torchrun rank (test_blocked_remote's, too)
 PACK = {"lmdb": {}, "hdf5": {}, "wds": {"shard_samples": 120}}
 
 
@@ -157,6 +163,32 @@ def test_a_mid_epoch_state_resumes_exactly(fmt, packs, truth, tmp_path):
     assert seen_indices(first, truth[fmt]) + seen_indices(resumed, truth[fmt]) == epochs[1]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torchrun_two_ranks_read_every_sample_once_an_epoch_within_the_page_budget(fmt, packs, truth, tmp_path):
+    ranks = 2
+    budget, files = data_bytes(packs, fmt) // 8, data_files(packs, fmt)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(WORKER), str(packs / fmt), str(tmp_path / "cache"), str(budget),
+           str(tmp_path), str(WORKERS)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    dropped(files)
+    with ResidencyPoll(files) as poll:  # this process samples the pages while the ranks read
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for epoch in range(2):
+        assert len({len(r["epochs"][epoch]) for r in out}) == 1  # every rank the same number of batches
+        pairs = [pair for r in out for batch in r["epochs"][epoch] for pair in batch]
+        assert all(truth[fmt][d][1] == label for d, label in pairs)  # pixels and label of the mapped reader's
+        assert collections.Counter(truth[fmt][d][0] for d, _ in pairs) == dict.fromkeys(range(COUNT), 1)
+    block = max(r["block"] for r in out)
+    # one block per worker of each rank beyond the budget, and mincore's whole pages (see the test above)
+    pages = 2 * mmap.PAGESIZE * (budget // block + ranks * WORKERS + 1)
+    assert 0 < poll.most <= budget + ranks * WORKERS * block + pages, (poll.most, budget, block)
+
+
 def test_the_layout_is_cached_in_the_cache_folder_never_in_the_dataset(packs, tmp_path):
     before = sorted(p.name for p in (packs / "lmdb").rglob("*"))
     open_paged(packs, "lmdb", tmp_path)
@@ -229,6 +261,29 @@ def test_damaged_bytes_are_one_line_naming_the_folder_and_file(fmt, packs, tmp_p
         ds[index]
     assert f"{tmp_path / fmt}/{layout.files[int(layout.file[index])]} sample {index}" in str(error.value)
     assert "\n" not in str(error.value)
+    assert not any(url_word in str(error.value) for url_word in ("fetched", "re-upload", "cache")), error.value
     with pytest.raises(UsageError) as error:
         ds.relpath(index)
     assert "page_budget" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_damaged_local_block_says_to_verify_and_re_pack_naming_the_file(packs, tmp_path):
+    """A local folder's messages speak of its files (a URL's, of fetched bytes and the cache)."""
+    shutil.copytree(packs / "hdf5", tmp_path / "hdf5")
+    ds = open_paged(tmp_path, "hdf5", tmp_path)
+    layout, index, folder = ds.reader.layout, 77, tmp_path / "hdf5"
+    path = folder / layout.files[int(layout.file[index])]
+    with open(path, "r+b") as f:  # the middle of its pixels: only the checksum can tell
+        f.seek((int(layout.start[index]) + int(layout.end[index])) // 2)
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    with pytest.raises(CorruptDataError) as error:
+        ds[index]
+    assert str(error.value) == (f"{path} sample {index}: checksum mismatch, the file's bytes are damaged; run "
+                                f"`packer verify {folder}` and re-pack")
+    last = len(ds) - 1  # a file cut short after it was opened: its last block is short
+    os.truncate(path, int(layout.end[last]) - 1)
+    with pytest.raises(CorruptDataError) as error:
+        ds[last]
+    said = str(error.value)
+    assert said.startswith(f"{path} sample {last}: its block holds") and "\n" not in said
+    assert f"the file is shorter than when the dataset was opened; run `packer verify {folder}` and re-pack" in said

@@ -91,11 +91,11 @@ def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int =
         layout.save(path)
     layout.check(int(found.manifest["count"]), [found.source.size(f) for f in layout.files], found.url)
     block, ahead = block_budget(found.limit, window)
+    budget = getattr(found, "budget", "cache_limit")  # the argument that set limit (page_budget: a local folder)
     reader = BlockedReader(reader_class, found.manifest, layout, found.store, found.url, span_blocks(layout, block),
-                           found.view, ahead)
+                           found.view, ahead, budget=budget)
     if found.url not in _SAID:
         _SAID.add(found.url)
-        budget = getattr(found, "budget", "cache_limit")  # the argument that set limit (page_budget: local)
         print(f"packer: {found.url} is {found.total:,} bytes, over {budget} {found.limit:,}: reading it a block "
               f"at a time ({len(reader.starts)} blocks of up to {block:,} bytes, {ahead} "
               f"{'read' if budget == 'page_budget' else 'fetched'} ahead; "
@@ -109,25 +109,28 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()  # this process's blocked readers, wh
 class BlockedReader(Reader):
     """A dataset read a block at a time from a :class:`BlockStore`, through its format's ``ranged_*`` hooks:
     the same samples, labels, shapes and checksums as the format's own reader. Each sample's crc32 is always
-    checked (a range carries no sha256). Picklable: a DataLoader worker opens its own blocks.
+    checked (a range carries no sha256). Picklable: a DataLoader worker opens its own blocks. Its errors speak of
+    fetched blocks and the cache for a URL, and of the files for a local folder (``budget="page_budget"``).
 
     Args:
         format_class: the format's reader class (its hooks read the samples).
         manifest: the dataset's manifest.
         layout: its layout (each sample's range, the format's index).
         store: where the blocks come from.
-        where: the dataset's URL, for messages.
+        where: the dataset's URL (or local folder), for messages.
         starts: the block starts (:func:`~packer.formats.layout.span_blocks`).
         root: a local folder for this dataset (the cache's view of the URL).
         fetch_ahead: how many blocks the loader keeps fetched ahead of the batch being read.
         keep: blocks each process keeps open.
+        budget: the argument that bounds it: ``"cache_limit"`` (a URL) or ``"page_budget"`` (a local folder).
     """
 
     HANDLES = ("_blocks", "_lock")
     ACCEPTS_PARTS = True  # a conversion made in parts is one layout over its parts' files (dataset_layout)
 
     def __init__(self, format_class: type[Reader], manifest: dict, layout: Layout, store: BlockStore, where: str,
-                 starts: np.ndarray, root: str | os.PathLike, fetch_ahead: int = WINDOW, keep: int = KEEP_BLOCKS):
+                 starts: np.ndarray, root: str | os.PathLike, fetch_ahead: int = WINDOW, keep: int = KEEP_BLOCKS,
+                 budget: str = "cache_limit"):
         super().__init__(root, manifest=manifest)
         self.format = format_class.format
         self.format_class = format_class
@@ -137,6 +140,7 @@ class BlockedReader(Reader):
         self.starts = np.asarray(starts, dtype=np.int64)
         self.fetch_ahead = fetch_ahead
         self.keep = max(1, keep)
+        self.budget = budget
         self.spans = np.zeros((0, 3), np.int64) if not len(layout) else np.stack(  # per block: file, start, end
             [layout.file[self.starts].astype(np.int64), np.minimum.reduceat(layout.start, self.starts),
              np.maximum.reduceat(layout.end, self.starts)], axis=1)
@@ -179,8 +183,10 @@ class BlockedReader(Reader):
         data = found
         start, end = int(self.layout.start[index]) - offset, int(self.layout.end[index]) - offset
         if end > len(data):
+            fix = (f"the file is shorter than when the dataset was opened; run `packer verify {self.where}` and "
+                   "re-pack" if self.local else "the cached block is damaged: delete the cache folder and retry")
             raise CorruptDataError(f"{self.describe(index)}: its block holds {len(data):,} bytes, fewer than its "
-                                   "range needs; the cached block is damaged: delete the cache folder and retry")
+                                   f"range needs; {fix}")
         return data[start:end]
 
     def close_blocks(self) -> None:
@@ -197,8 +203,9 @@ class BlockedReader(Reader):
     def read(self, index: int) -> Sample:
         sample = self.format_class.ranged_sample(index, self._range(index), self.layout, self.describe(index))
         if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
-            raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, the fetched bytes are damaged; run "
-                                   f"`packer verify {self.where}` and re-pack or re-upload")
+            what, fix = ("the file's", "re-pack") if self.local else ("the fetched", "re-pack or re-upload")
+            raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, {what} bytes are damaged; run "
+                                   f"`packer verify {self.where}` and {fix}")
         if not self.label_low <= sample.label < self.label_high:
             raise CorruptDataError(f"{self.describe(index)}: label {sample.label} is not a class index; the dataset "
                                    f"is damaged, run `packer verify {self.where}`")
@@ -219,12 +226,17 @@ class BlockedReader(Reader):
         """Labels are checked against the classes as each sample is read (sample paths are not read)."""
 
     def blocks(self, target_bytes: int) -> np.ndarray:
-        """The blocks the dataset is fetched by (their size was chosen for the cache when it was opened)."""
+        """The blocks the dataset is read by (their size was chosen for its budget when it was opened)."""
         return self.starts
 
     def relpath(self, index: int) -> str:
-        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than cache_limit (or "
-                         "page_budget) is read a block at a time; raise it to the dataset's size to read them")
+        raise UsageError(f"{self.where}: sample paths are not read when a dataset larger than {self.budget} is "
+                         f"read a block at a time; raise {self.budget} to the dataset's size to read them")
+
+    @property
+    def local(self) -> bool:
+        """Whether the dataset is a local folder (read within ``page_budget``), not a URL."""
+        return self.budget == "page_budget"
 
     def describe(self, index: int) -> str:
         return f"{self.where}/{self.sample_file(index)} sample {index}"

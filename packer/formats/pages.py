@@ -36,6 +36,7 @@ from ..system import default_cache_dir
 from .layout import LocalSource
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+DROP_EVERY = 256 << 10  # an uncached read drops what it read from the page cache this often (whole pages)
 
 
 def parse_page_budget(page_budget: int | str | None) -> int | None:
@@ -63,7 +64,8 @@ def advise(fd: int, start: int, end: int, advice_name: str) -> None:
 
 def read_uncached(path: Path, start: int, end: int) -> bytearray:
     """Bytes ``[start, end)`` of ``path`` (fewer where it ends first), read into this process's memory without
-    kernel read-ahead past them, then advised out of the page cache."""
+    kernel read-ahead past them, and advised out of the page cache ``DROP_EVERY`` bytes at a time as they are read
+    (a large read, such as a format's first megabyte of layout, never holds more of the page cache than that)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         _no_readahead(fd)
@@ -71,12 +73,13 @@ def read_uncached(path: Path, start: int, end: int) -> bytearray:
         data = bytearray(max(0, end - start))
         view, done = memoryview(data), 0
         while done < len(data):
-            got = _pread_into(fd, view[done:], start + done)
+            step = DROP_EVERY - (start + done) % _PAGE  # ends on a page: the next read's first page is not dropped
+            got = _pread_into(fd, view[done:done + step], start + done)
             if got == 0:
                 break
+            if not shared:
+                advise(fd, start + done, start + done + got, "POSIX_FADV_DONTNEED")
             done += got
-        if not shared:
-            advise(fd, start, start + done, "POSIX_FADV_DONTNEED")
         return data if done == len(data) else data[:done]
     finally:
         os.close(fd)
