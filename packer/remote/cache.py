@@ -222,16 +222,19 @@ class Cache:
         return fd
 
     def entries(self) -> list[tuple[float, int, Path]]:
-        """``(last use, bytes, path)`` of every cached object and download in progress."""
-        found = []
-        for folder in [*(self.root / "objects").iterdir(), self.root / "tmp"]:
-            if not folder.is_dir() or folder.is_symlink():
-                continue
-            for path in folder.iterdir():
-                with contextlib.suppress(OSError):
-                    st = os.lstat(path)
-                    if stat.S_ISREG(st.st_mode):
-                        found.append((st.st_atime, st.st_size, path))
+        """``(last use, bytes, path)`` of every cached object and download in progress. Scanned with
+        ``os.scandir`` (a directory's entries say what they are without a stat each): every fetch that needs room
+        scans the whole cache, under the eviction lock."""
+        found, folders = [], []
+        with contextlib.suppress(OSError), os.scandir(self.root / "objects") as prefixes:
+            folders = [e.path for e in prefixes if e.is_dir(follow_symlinks=False)]
+        for folder in [*folders, os.fspath(self.root / "tmp")]:
+            with contextlib.suppress(OSError), os.scandir(folder) as files:
+                for entry in files:
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            found.append((st.st_atime, st.st_size, Path(entry.path)))
         return found
 
     def used(self) -> int:
