@@ -432,6 +432,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
     arguments.optional_int("fetch_ahead", fetch_ahead, 0)
+    reader = blocked_reader(dataset)
+    if reader is not None and fetch_ahead is not None and fetch_ahead > reader.fetch_ahead:
+        # more pins than the blocks were sized for would starve the workers' own fetches of room in the cache
+        raise ValueError(f"fetch_ahead={fetch_ahead}: {reader.where}'s blocks were cut for at most "
+                         f"{reader.fetch_ahead} blocks fetched ahead within its cache; give at most that")
     if shuffle is True and blocked_reader(dataset) is not None:
         say_once(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
                  f"(shuffle='blocks', {block_window} blocks mixed at a time)")

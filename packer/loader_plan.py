@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from .dataset import PackedDataset
+from .fetchahead import blocked_reader
 from .system import cores_per_rank
 from .workers import default_start_method, shared_memory_free, slot_bytes
 
@@ -196,6 +197,9 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
         prefetch, why["prefetch"] = _prefetch(prefetch_batches, "prefetch_batches", applied)
     else:
         prefetch, why["prefetch"] = _prefetch(overrides.get("prefetch_factor"), "prefetch_factor", applied)
+        if why["prefetch"] == "the default" and blocked_reader(dataset) is not None:
+            prefetch, why["prefetch"] = 1, ("read a block at a time: the blocks of the batches in flight are "
+                                            "held out of those fetched ahead")
     order = ("engine", "workers", "threads", "pin_memory", "prefetch")
     return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order),
                       tuple(applied.items()))

@@ -199,6 +199,17 @@ def test_the_layout_is_cached_in_the_cache_folder_never_in_the_dataset(packs, tm
     assert layouts[0].stat().st_mtime_ns == stamp
 
 
+def test_worker_processes_prefetch_one_batch_each_unless_told(packs, tmp_path):
+    """The blocks of the batches in flight are held out of the fetch-ahead's: four batches a worker would leave
+    it nothing to fetch ahead. A given prefetch_factor wins."""
+    ds = open_paged(packs, "wds", tmp_path)
+    plan = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS).plan
+    assert plan.prefetch == 1 and "read a block at a time" in dict(plan.why)["prefetch"]
+    assert packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, prefetch_factor=3).plan.prefetch == 3
+    whole = packer.open_dataset(packs / "wds")
+    assert packer.make_loader(whole, batch_size=BATCH, num_workers=WORKERS).plan.prefetch > 1
+
+
 def test_a_dataset_that_fits_the_budget_is_mapped_as_without_one(packs, tmp_path):
     ds = packer.open_dataset(packs / "hdf5", page_budget="1GB", cache_dir=tmp_path / "cache")
     assert type(ds.reader).__name__ == "Hdf5Reader" and len(ds) == COUNT
