@@ -395,8 +395,9 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     assert [t.name for t in threading.enumerate()].count("packer-fetch-ahead") == 1
     del iterator  # a loop that breaks out: the thread ends too
     assert fetch_ahead_threads() == []
-    with pytest.raises(ValueError, match=rf"fetch_ahead={ds.reader.fetch_ahead + 1}: .*cut for at most {ds.reader.fetch_ahead} blocks"):
-        packer.make_loader(ds, batch_size=BATCH, fetch_ahead=ds.reader.fetch_ahead + 1)  # would starve the workers
+    most = ds.reader.fetch_ahead
+    with pytest.raises(ValueError, match=rf"fetch_ahead={most + 1}: .*cut for at most {most} blocks"):
+        packer.make_loader(ds, batch_size=BATCH, fetch_ahead=most + 1)  # would starve the workers
     quiet = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, fetch_ahead=0)
     before = STATS["requests"]
     assert sorted(seen_indices(quiet, truth[fmt])) == list(range(COUNT))
