@@ -39,7 +39,7 @@ def main() -> None:
     def poll() -> None:
         used = Cache(cache)
         while not stop.wait(0.002):
-            most[0] = max(most[0], min(used.used(), used.used()))  # two counts: see test_blocked_remote's CachePoll
+            most[0] = max(most[0], min(used.used(), used.used()))  # two counts: see remote_support.CachePoll
 
     thread = threading.Thread(target=poll, daemon=True)
     if not local:  # a local dataset's pages are counted by the test (mincore), not in the cache folder

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +145,28 @@ def seen_indices(batches, table: dict[str, tuple[int, int]]) -> list[int]:
             assert label == expected, f"sample {index}: label {label}, the reference reader says {expected}"
             out.append(index)
     return out
+
+
+class Poll:
+    """The most :meth:`sample` gave, sampled every 2 ms on a thread while the ``with`` block runs; ``samples``
+    counts the looks."""
+
+    def __init__(self) -> None:
+        self.most, self.samples, self.stop = 0, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.002):
+            self.most = max(self.most, self.sample())
+            self.samples += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()

@@ -14,7 +14,12 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from packed_support import Poll
+
+from packer.remote.cache import Cache
 
 HOST = "127.0.0.1"
 
@@ -109,6 +114,28 @@ class RangeFiles(http.server.BaseHTTPRequestHandler):
 
 def serve_files(root: Path) -> Served:
     return Served(RangeFiles, root=Path(root))
+
+
+def serving(root: Path) -> Iterator[Served]:
+    """:func:`serve_files` for a fixture's life: ``yield from serving(root)``."""
+    served = serve_files(root)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+class CachePoll(Poll):
+    """The most bytes the cache at ``root`` held, sampled while the block runs."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.cache = Cache(root)
+
+    def sample(self) -> int:
+        # the smaller of two counts in a row: one count lists the folders one after another, and may find an
+        # object before it is evicted and, later in the same count, the download that took its room
+        return min(self.cache.used(), self.cache.used())
 
 
 class FaultProxy(http.server.BaseHTTPRequestHandler):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import noise_folder
 from packed_support import FORMATS, free_port, manifest_bytes, pixel_digest, pixel_table, seen_indices
-from remote_support import S3Server, fault_proxy, serve_files
+from remote_support import CachePoll, S3Server, fault_proxy, serve_files, serving
 
 import packer
 from packer.errors import CorruptDataError, RemoteError
@@ -54,15 +54,7 @@ BLOCKED = [pytest.param(f, marks=pytest.mark.skipif(not ranged(f), reason=f"{f} 
            for f in FORMATS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def quick_retries():
-    saved = os.environ.get("PACKER_RETRY_BACKOFF")
-    os.environ["PACKER_RETRY_BACKOFF"] = "0.01"
-    yield
-    if saved is None:
-        os.environ.pop("PACKER_RETRY_BACKOFF", None)
-    else:
-        os.environ["PACKER_RETRY_BACKOFF"] = saved
+pytestmark = pytest.mark.usefixtures("quick_retries")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +77,7 @@ def packs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(packs):
-    served = serve_files(packs)
-    yield served
-    served.stop()
+    yield from serving(packs)
 
 
 @pytest.fixture(scope="module")
@@ -98,28 +88,6 @@ def truth(packs) -> dict[str, dict[str, tuple[int, int]]]:
 
 def data_bytes(packs: Path, fmt: str) -> int:
     return manifest_bytes(packs / fmt)
-
-
-class CachePoll:
-    """The most bytes the cache held, sampled on a thread while the block runs."""
-
-    def __init__(self, root: Path):
-        self.cache, self.most, self.stop = Cache(root), 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.002):
-            # the smaller of two counts in a row: one count lists the folders one after another, and may find an
-            # object before it is evicted and, later in the same count, the download that took its room
-            self.most = max(self.most, min(self.cache.used(), self.cache.used()))
-
-    def __enter__(self) -> CachePoll:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def open_blocked(url: str, cache: Path, limit: int, **kwargs) -> packer.PackedDataset:

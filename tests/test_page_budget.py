@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import noise_folder
-from packed_support import FORMATS, free_port, manifest_bytes, pixel_table, seen_indices
+from packed_support import FORMATS, Poll, free_port, manifest_bytes, pixel_table, seen_indices
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
@@ -63,27 +63,17 @@ def data_bytes(packs: Path, fmt: str) -> int:
     return manifest_bytes(packs / fmt)
 
 
-class ResidencyPoll:
-    """The most bytes of ``files`` in the page cache, sampled with mincore on a thread while the block runs."""
+class ResidencyPoll(Poll):
+    """The most bytes of ``files`` in the page cache, sampled with mincore while the block runs."""
 
     def __init__(self, files: list[Path]):
-        self.files, self.most, self.samples, self.stop = files, 0, 0, threading.Event()
+        super().__init__()
+        self.files = files
         self.fetching = False  # whether the loader's fetch-ahead thread was seen running
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self.stop.wait(0.002):
-            self.most = max(self.most, sum(resident_bytes(f)[0] for f in self.files))
-            self.samples += 1
-            self.fetching |= any(t.name == "packer-fetch-ahead" for t in threading.enumerate())
-
-    def __enter__(self) -> ResidencyPoll:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
+    def sample(self) -> int:
+        self.fetching |= any(t.name == "packer-fetch-ahead" for t in threading.enumerate())
+        return sum(resident_bytes(f)[0] for f in self.files)
 
 
 def fetch_ahead_ended() -> bool:

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from conftest import noise_folder
 from packed_support import FORMATS, manifest_bytes, pixel_digest, pixel_table, seen_indices
-from remote_support import serve_files
-from test_blocked_remote import CachePoll
+from remote_support import CachePoll, serving
 from test_distributed_pack import torchrun
 from test_fields_read import SCHEMA, write_dataset
 
@@ -48,9 +47,7 @@ def packs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(packs):
-    served = serve_files(packs)
-    yield served
-    served.stop()
+    yield from serving(packs)
 
 
 @pytest.fixture(scope="module")

@@ -21,30 +21,18 @@ from pathlib import Path
 import pytest
 from conftest import noise_folder
 from packed_support import manifest_bytes, pixel_table, seen_indices
-from remote_support import S3Server, serve_files
-from test_blocked_remote import CachePoll
+from remote_support import CachePoll, S3Server, serving
 from test_resume_loader import launch, read_out
 
 import packer
 
-pytestmark = pytest.mark.remote
+pytestmark = [pytest.mark.remote, pytest.mark.usefixtures("quick_retries")]
 
 COUNT, SIDE, SHARD = 960, 16, 12  # 80 shards of 12 raw 16x16 noise images; the cache holds 10
 # windows of 2 shards; the batches the workers hold in flight (4 each) span about 3 shards, well within the cache
 BATCH, WORKERS, SEED, BUFFER = 4, 2, 3, 24
 RESIZE = {"resize": 12}
 AUGMENT = {"random_resized_crop": 12, "flip": True, "scale": (0.3, 1.0)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quick_retries():
-    saved = os.environ.get("PACKER_RETRY_BACKOFF")
-    os.environ["PACKER_RETRY_BACKOFF"] = "0.01"
-    yield
-    if saved is None:
-        os.environ.pop("PACKER_RETRY_BACKOFF", None)
-    else:
-        os.environ["PACKER_RETRY_BACKOFF"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +47,7 @@ def packs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(packs):
-    served = serve_files(packs)
-    yield served
-    served.stop()
+    yield from serving(packs)
 
 
 @pytest.fixture(scope="module")
