@@ -170,7 +170,7 @@ class BlockedReader(Reader):
     def _range(self, index: int) -> memoryview:
         """Sample ``index``'s range bytes, from its block (opened, and kept among the last ``keep``)."""
         self.open()
-        block = int(self.block_of([index])[0])
+        block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
         with self._lock:
             found = self._blocks.get(block)
             if found is None:
