@@ -242,6 +242,10 @@ def test_eviction_is_lru_and_skips_pinned_files(tmp_path):
     get(3).release()  # evicts 2
     assert cache.pin(shas[2]) is None and cache.pin(shas[0]) is not None
     assert cache.used() <= 250 and outside.read_bytes() == b"x" * 1000
+    # an emptied prefix folder goes with its last object (every fetch that needs room scans them), and comes back
+    assert {p.name for p in (tmp_path / "cache" / "objects").iterdir()} == {shas[0][:2], shas[3][:2]}
+    get(1).release()  # evicts 3
+    assert cache.pin(shas[1]).path.read_bytes() == blobs[1] and cache.pin(shas[3]) is None
     with pytest.raises(RemoteError, match="cannot fit"):
         Cache(tmp_path / "cache", limit=150).obtain("f" * 64, 100, lambda path: None)
 

@@ -6,7 +6,7 @@ Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``
     objects/ab/<sha256>      data files, named by their content's sha256, and ranges of them (blocks, see
                              :mod:`.ranges`), named by the sha256 of ``"FILE_SHA256:START:END"``; each checked
                              (whole files against their sha256, ranges against their length) before it was
-                             renamed here
+                             renamed here; a prefix folder is removed when eviction empties it
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
     locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
@@ -199,8 +199,9 @@ class Cache:
             try:
                 fetch(tmp)
                 path = self.object_path(sha256)
-                path.parent.mkdir(exist_ok=True)
-                os.replace(tmp, path)
+                with self._locked(self.root / "evict.lock"):  # eviction removes a prefix folder it empties
+                    path.parent.mkdir(exist_ok=True)
+                    os.replace(tmp, path)
                 lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
                 _touch(path)
                 return Pin(path, fd, inherited)
@@ -277,6 +278,9 @@ class Cache:
         try:
             if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
                 path.unlink()
+                if parent != root / "tmp":  # an emptied prefix folder goes too: every fetch that needs room
+                    with contextlib.suppress(OSError):  # scans them all (under the eviction lock, as here)
+                        os.rmdir(path.parent)
                 return True
             return False
         except OSError:
