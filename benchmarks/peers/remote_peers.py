@@ -1,16 +1,20 @@
 """Training from object storage with a cache smaller than the dataset: packer vs MosaicML Streaming vs LitData.
 
 The benchmark of issue 25: the same images (a 3,000-image folder resized to a short side of 256 and stored as
-JPEG), in each tool's own format, on a local S3 server (moto, the tests' ``S3Server``, answering a ranged GET by
-reading only its range as S3 does: ``s3_ranges.py``) behind the tests' latency proxy (``fault_proxy``,
-``--latency-ms`` added to every request), read from ``s3://`` through each tool's own cache bounded to
+JPEG), in each tool's own format, on a local S3 server (``--server lite``, the default: ``s3_lite.py``, which
+answers from the files with ``sendfile``; or ``--server moto``: the tests' ``S3Server``, answering a ranged GET
+by reading only its range as S3 does (``s3_ranges.py``), behind the tests' latency proxy ``fault_proxy``), with
+``--latency-ms`` added to every request, read from ``s3://`` through each tool's own cache bounded to
 ``--cache-fraction`` (1/8) of that tool's copy, with RandomResizedCrop 224 + horizontal flip, batch 64, 2 worker
 processes. Each row is one fresh process reading ``--epochs`` (2) epochs
 with an empty cache; the same packer dataset read from local files with a warm page cache is the reference
 every row's epoch-2 images/s is divided by. Each row also scores its order's shuffle quality: packer's
 ``batch_mixing`` (mean total-variation distance between each batch's label histogram and the dataset's; 0 is
-perfect) of the labels the loader yielded in epoch 1. Every copy is stored in class order (the hard case for a
-shuffle), in blocks of about 1/``--blocks`` of the dataset (wds shards, MDS shards, LitData chunks).
+perfect) of the labels the loader yielded in epoch 1, and the CPU seconds its read took in the reading
+processes and in the server (the server shares the machine's cores, where an object store would not: moto's
+Python took about a fifth of a 2-core machine's time during a remote epoch, hence the lite default). Every copy
+is stored in class order (the hard case for a shuffle), in blocks of about 1/``--blocks`` of the dataset (wds
+shards, MDS shards, LitData chunks).
 
     python benchmarks/peers/remote_peers.py --smoke                  # 300 images, 1 repeat: 2-3 minutes
     python benchmarks/peers/remote_peers.py                          # 3,000 images, medians of 3
@@ -37,10 +41,12 @@ publishable. Results: ``OUT/results.json`` and ``OUT/results.md`` (default ``ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -57,6 +63,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
 import run_peers  # noqa: E402 - beside this script
+import s3_lite  # noqa: E402 - beside this script
 from remote_support import S3Server, fault_proxy  # noqa: E402 - the tests' servers
 from s3_ranges import serve_ranges_at_their_cost  # noqa: E402 - beside this script
 
@@ -152,6 +159,43 @@ def upload(s3: S3Server, copies: dict[str, dict[str, Any]]) -> None:
         copy["url"] = f"s3://{BUCKET}/{key}"
 
 
+@contextlib.contextmanager
+def s3_endpoint(kind: str, copies: dict[str, dict[str, Any]], latency: float, work: Path) -> Any:
+    """Every copy on an S3 server of ``kind`` behind ``latency`` seconds a request: yields what counts the GETs
+    (``gets(suffix)``, its ``url`` the endpoint the readers are given). ``lite``: :mod:`s3_lite` serving hard
+    links of the copies, the latency its own; ``moto``: moto (ranged GETs read only their range) behind the
+    tests' latency proxy."""
+    if kind == "lite":
+        root = work / "s3-lite"
+        shutil.rmtree(root, ignore_errors=True)
+        for name, copy in copies.items():
+            if "error" not in copy:
+                shutil.copytree(copy["path"], root / BUCKET / name.replace(" ", "-"), copy_function=os.link)
+                copy["url"] = f"s3://{BUCKET}/{name.replace(' ', '-')}"
+        server = s3_lite.serve(root, latency)
+        try:
+            yield server
+        finally:
+            server.stop()
+        return
+    serve_ranges_at_their_cost()
+    s3 = S3Server(buckets=())
+    proxy = fault_proxy(s3.url, latency=latency)
+    proxy.server.handle_error = lambda request, address: None  # a reader closing a connection is not news
+    try:
+        upload(s3, copies)
+        yield proxy
+    finally:
+        proxy.stop()
+        s3.stop()
+
+
+def cpu_seconds(who: int) -> float:
+    """User and system CPU seconds of ``resource.RUSAGE_SELF`` or ``RUSAGE_CHILDREN`` so far."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 # -- reading --------------------------------------------------------------------------------------------------
 
 def adapter_run(tool: str, python: str, argv: list[str], args: argparse.Namespace, env: dict[str, str]) -> int | str:
@@ -199,7 +243,7 @@ class CacheWatch:
 def read_once(tool: str, python: str, url: str, limit: int, args: argparse.Namespace, env: dict[str, str],
               proxy: Any, block: int) -> dict[str, Any]:
     """One fresh process reading ``url`` for ``--epochs`` epochs with an empty cache: its timings, labels, peak
-    cache bytes and the GETs that reached the proxy."""
+    cache bytes, the GETs that reached the server and the CPU seconds of the reader and of the server."""
     # a new folder every read: Streaming keys its shared memory on the local folder, and a second process on
     # the same (emptied) folder found its predecessor's state and read shards that were no longer there
     cache = args.out / "work" / "cache" / f"{tool}-{time.time_ns()}"
@@ -208,16 +252,20 @@ def read_once(tool: str, python: str, url: str, limit: int, args: argparse.Names
     result.unlink(missing_ok=True)
     gets = proxy.gets("") if proxy else 0
     watch = CacheWatch(cache)
+    server_cpu, reader_cpu = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     argv = ["read", "--url", url, "--cache-dir", str(cache), "--cache-limit", str(limit), "--batch-size",
             str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs), "--result",
             str(result), "--block-bytes", str(block)]
     code = adapter_run(tool, python, argv, args, env)
+    server_cpu = cpu_seconds(resource.RUSAGE_SELF) - server_cpu  # the server's threads (and the cache watch)
+    reader_cpu = cpu_seconds(resource.RUSAGE_CHILDREN) - reader_cpu  # the read's process and its workers
     peak = watch.stop()
     out = json.loads(result.read_text()) if result.exists() else {}
     if "epochs" not in out:
         why = out.get("error") or f"the read exited with {code}; see {args.logs / (tool + '.log')}"
         raise RuntimeError(why)
-    out.update(peak_cache=peak, gets=(proxy.gets("") - gets) if proxy else 0)
+    out.update(peak_cache=peak, gets=(proxy.gets("") - gets) if proxy else 0, server_cpu=server_cpu,
+               reader_cpu=reader_cpu)
     shutil.rmtree(cache, ignore_errors=True)
     return out
 
@@ -249,7 +297,8 @@ def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argpars
         run = {f"epoch{i}_sps": e["samples_per_s"] for i, e in enumerate(out["epochs"], 1)}
         run.update({f"epoch{i}_samples": e["samples"] for i, e in enumerate(out["epochs"], 1)},
                    first_batch_s=out["epochs"][0]["first_batch_s"], peak_cache=out["peak_cache"],
-                   gets=out["gets"], mixing=batch_mixing(out["labels"][0], args.batch_size))
+                   gets=out["gets"], mixing=batch_mixing(out["labels"][0], args.batch_size),
+                   server_cpu=out["server_cpu"], reader_cpu=out["reader_cpu"])
         runs.append(run)
         row["versions"] = out.get("versions", {})
         row["labels_sorted"] = sorted(out["labels"][0])  # the stored (class) order, for the reference rows
@@ -281,6 +330,12 @@ def _mb(n: float | None) -> str:
     return "" if n is None else f"{n / 2**20:.1f} MB"
 
 
+def _cpu(row: dict[str, Any]) -> str:
+    if row.get("reader_cpu") is None:
+        return ""
+    return f"{row['reader_cpu']:.1f}, {row['server_cpu']:.1f}"
+
+
 def _sps(row: dict[str, Any], key: str) -> str:
     if row.get(key) is None:
         return ""
@@ -294,19 +349,21 @@ def table(results: dict[str, Any]) -> str:
     lines = [f"Remote epochs with a cache of {results['cache_fraction']:g} of each dataset: {results['images']} "
              f"images (JPEG, short side 256), {results['latency_ms']:g} ms added to every request, "
              f"RandomResizedCrop 224 + flip, batch {results['batch_size']}, {results['workers']} workers, "
-             f"medians of {results['repeats']} ({results['date']}).", "",
+             f"medians of {results['repeats']} ({results['date']}); S3 server: "
+             f"{results.get('server', 'moto')}.", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; load average at the start "
              f"{' '.join(f'{v:.2f}' for v in m['load_start'])}, at the end "
              f"{' '.join(f'{v:.2f}' for v in m.get('load_end', []))}."
              + ("" if results.get("publishable") else " **Not publishable: the load exceeded the core count.**"),
              "", f"Command: `{results['command']}`", "",
              "| tool | read from | cache limit | peak cache | samples/epoch | epoch 1 img/s | epoch 2 img/s "
-             "| × packer local warm | GETs | shuffle mixing (0 best) |", "|---|---|" + "---:|" * 8]
+             "| × packer local warm | GETs | CPU s: reader, server | shuffle mixing (0 best) |",
+             "|---|---|" + "---:|" * 9]
     local = results.get("local_sps", {})
     for row in results["rows"]:
         if "error" in row:
             lines.append(f"| {row['row']} | {row.get('url', '')} | {_mb(row.get('cache_limit'))} | | | failed: "
-                         f"{row['error']} | | | | |")
+                         f"{row['error']} | | | | | |")
             continue
         base = local.get(row.get("format") if row["tool"] == "packer" else results.get("first_format"))
         ratio = f"{row['epoch2_sps'] / base:.2f}" if base and "://" in row["url"] else ""
@@ -316,14 +373,18 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {'URL' if '://' in row['url'] else 'local files, warm'} | {limit} | "
                      f"{_mb(row['peak_cache']) if '://' in row['url'] else ''} | {row['epoch1_samples']:.0f} | "
                      f"{_sps(row, 'epoch1_sps')} | "
-                     f"{_sps(row, 'epoch2_sps')} | {ratio} | {row['gets']:.0f} | {row['mixing']:.3f} |")
+                     f"{_sps(row, 'epoch2_sps')} | {ratio} | {row['gets']:.0f} | {_cpu(row)} | "
+                     f"{row['mixing']:.3f} |")
     for row in results.get("reference", []):
-        lines.append(f"| {row['order']} | | | | | | | | | {row['mixing']:.3f} |")
+        lines.append(f"| {row['order']} | | | | | | | | | | {row['mixing']:.3f} |")
     lines += ["", "Epoch 1 is a fresh process with an empty cache (start-up included), epoch 2 the same process's "
               "next epoch (opening the dataset, which fetches its index, is not timed); × packer local warm is "
               "epoch 2 over packer's epoch 2 of the same format from local files in the page cache (for the "
-              f"peers: packer {results.get('first_format')}'s). GETs: requests that reached the proxy in the "
-              "row's epochs. Peak cache: the largest size of the row's cache folder, sampled every 0.2 s."]
+              f"peers: packer {results.get('first_format')}'s). GETs: requests that reached the server in the "
+              "row's epochs. Peak cache: the largest size of the row's cache folder, sampled every 0.2 s. CPU s: the "
+              "CPU seconds of one read (its epochs and start-up), of the reading process and its workers, and of "
+              "the S3 server's threads (with the latency proxy for moto, and the driver's cache sampling), "
+              "which share the machine's cores."]
     return "\n".join(lines)
 
 
@@ -368,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="packer formats to read, each from the URL and locally (default wds,lmdb,hdf5); the first "
                         "one's images are the peers' and its local row their reference")
     p.add_argument("--latency-ms", type=float, default=20.0, help="added to every request (default 20)")
+    p.add_argument("--server", choices=("lite", "moto"), default="lite",
+                   help="the S3 server: lite (s3_lite.py, default) or moto behind the tests' latency proxy")
     p.add_argument("--cache-fraction", type=float, default=1 / 8,
                    help="each tool's cache limit as a fraction of its copy's bytes (default 0.125)")
     p.add_argument("--blocks", type=int, default=64, help="shards/chunks/blocks per copy (default 64)")
@@ -417,15 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line(argv), "machine": {**run_peers.machine(), "load_start": list(load.start)},
         "src": str(args.src), "images": len(image_files(args.src)), "latency_ms": args.latency_ms,
         "cache_fraction": args.cache_fraction, "blocks": args.blocks, "batch_size": args.batch_size,
-        "workers": args.workers, "epochs": args.epochs, "repeats": args.repeats, "smoke": args.smoke, "rows": []}
+        "workers": args.workers, "epochs": args.epochs, "repeats": args.repeats, "smoke": args.smoke,
+        "server": args.server, "rows": []}
     copies = prepare(args, sys.stderr)
-    serve_ranges_at_their_cost()
-    s3 = S3Server(buckets=())
-    proxy = fault_proxy(s3.url, latency=args.latency_ms / 1000)
-    proxy.server.handle_error = lambda request, address: None  # a reader closing a connection is not news
-    try:
-        upload(s3, copies)
-        env = {**S3Server.ENV, "AWS_ENDPOINT_URL": proxy.url, "S3_ENDPOINT_URL": proxy.url}
+    with s3_endpoint(args.server, copies, args.latency_ms / 1000, args.out / "work") as server:
+        env = {**S3Server.ENV, "AWS_ENDPOINT_URL": server.url, "S3_ENDPOINT_URL": server.url}
         first = copies[f"packer {args.packer_formats[0]}"]
         block = max(1, first["bytes"] // args.blocks)
         results["first_format"] = args.packer_formats[0]
@@ -438,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["rows"].append({"row": name, "tool": copy["tool"], "error": copy["error"]})
                 continue
             row = measure(name, copy, url, limit, args, {**env, **tool_env(copy["tool"], results["images"], args)},
-                          proxy if "://" in url else None, block if copy["tool"] == "packer" else 0)
+                          server if "://" in url else None, block if copy["tool"] == "packer" else 0)
             results["rows"].append(row)
             if name.endswith(" local") and "error" not in row:
                 results.setdefault("local_sps", {})[copy["format"]] = row["epoch2_sps"]
@@ -446,9 +505,6 @@ def main(argv: list[str] | None = None) -> int:
                     results["reference"] = reference_orders(row["labels_sorted"], args.batch_size)
             results["seconds"] = time.perf_counter() - started
             (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    finally:
-        proxy.stop()
-        s3.stop()
     idle = load.finish(args.settle)
     results["machine"].update(load_end=idle["load_end"], others_cpu_share=idle["others_cpu_share"])
     results["publishable"] = idle["publishable"] and not args.smoke
