@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 POLL = 0.01  # seconds between looks at the batches received
-FETCHERS = 4  # blocks fetched at once: each request's latency overlaps the others'
+FETCHERS = 8  # blocks fetched at once: each request's latency overlaps the others'
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
 
 

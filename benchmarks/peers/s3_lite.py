@@ -36,6 +36,7 @@ class S3Files(http.server.BaseHTTPRequestHandler):
     root: Path
     served: Served
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # the headers and the body go in two writes: no 40 ms delayed-ACK wait
 
     def log_message(self, *args) -> None:
         pass

@@ -63,14 +63,16 @@ def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = Non
                  ranks: int | None = None) -> tuple[int, int]:
     """The block size for a cache of ``limit`` bytes, and the blocks each rank's loader fetches ahead.
 
-    The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default two
-    windows: the one being read and the next, which prefetched batches reach into), one block per worker
+    The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default three
+    windows: the one being read and the next, which the batches in flight reach into, and one fetched while
+    those are decoded: with two, the batches in flight held them all and workers waited on their own
+    fetches), one block per worker
     process (``workers``, default the node's usable cores: a block is pinned while a worker fetches and maps
     it) and one more, so ``block = limit // (ranks * fetch_ahead + workers + 1)``, at most ``BLOCK_CAP``
     (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also keeps ``KEEP_BLOCKS`` blocks
     mapped, which may outlive their place in the cache (evicted, still mapped).
     """
-    fetch_ahead = 2 * window if fetch_ahead is None else fetch_ahead
+    fetch_ahead = 3 * window if fetch_ahead is None else fetch_ahead
     workers = usable_cores() if workers is None else workers
     if ranks is None:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
