@@ -70,6 +70,7 @@ class RangeFiles(http.server.BaseHTTPRequestHandler):
     root: Path
     served: Served
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK wait
 
     def log_message(self, *args) -> None:
         pass
@@ -149,6 +150,7 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
     served: Served
     faults: collections.deque
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK wait
 
     def log_message(self, *args) -> None:
         pass

@@ -5,10 +5,12 @@ there and writes what it saw.
 
 A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_loader} (or "stream": {kwargs of
 stream}), "epochs", "state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null,
-"state_out", "out"}``. Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels,
-indices]...], "state", "states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in
-the dataset opened without augmentation (None when a sample is not found there), or in ``"table": {"path",
-"open": {kwargs of open_dataset}}`` when the job gives one (a URL's local copy, opened with the same resize).
+"state_out", "out", "sync": optional, true to wait for every rank after each batch (DDP's per-step all-reduce
+keeps training ranks together; without it a rank may run far ahead of the others)}``. Output (``out``, with
+``{rank}`` replaced): ``{"batches": [[epoch, digest, labels, indices]...], "state", "states_equal", "world",
+"lengths"}``; ``indices`` recognises samples by their pixels in the dataset opened without augmentation (None
+when a sample is not found there), or in ``"table": {"path", "open": {kwargs of open_dataset}}`` when the job
+gives one (a URL's local copy, opened with the same resize).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def run(job: dict, rank: int, world: int) -> None:
         lengths.append(len(loader))
         for images, labels in loader:
             batches.append([epoch, digest(images), labels.tolist(), [table.get(digest(im)) for im in images]])
+            if job.get("sync") and world > 1:
+                dist.barrier()
             if len(batches) == stop.get("after_batches"):
                 done = True
                 break

@@ -189,7 +189,7 @@ def test_torchrun_two_ranks_stream_the_url_then_one_process_resumes(packs, serve
     stream = {"batch_size": BATCH, "num_workers": 1, "seed": SEED, "buffer": BUFFER, "cache_dir": str(tmp_path / "c"),
               "cache_limit": limit, **RESIZE}
     job = {"path": f"{server.url}/wds", "table": {"path": str(packs / "wds"), "open": RESIZE}, "open": {},
-           "stream": stream}
+           "stream": stream, "sync": True}  # the ranks step together, as DDP's all-reduce keeps them
     whole = dict(job, epochs=2, state_in=None, stop=None, state_out=None, out=str(tmp_path / "whole.{rank}.out"))
     two = dict(job, epochs=1, state_in=None, stop={"after_batches": 3}, state_out=str(tmp_path / "two.state"),
                out=str(tmp_path / "two.{rank}.out"))
