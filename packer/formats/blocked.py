@@ -66,11 +66,10 @@ def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = Non
     The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default three
     windows: the one being read and the next, which the batches in flight reach into, and one fetched while
     those are decoded: with two, the batches in flight held them all and workers waited on their own
-    fetches), one block per worker
-    process (``workers``, default the node's usable cores: a block is pinned while a worker fetches and maps
-    it) and one more, so ``block = limit // (ranks * fetch_ahead + workers + 1)``, at most ``BLOCK_CAP``
-    (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also keeps ``KEEP_BLOCKS`` blocks
-    mapped, which may outlive their place in the cache (evicted, still mapped).
+    fetches), one block per worker process (``workers``, default the node's usable cores: a block is pinned
+    while a worker fetches and maps it) and one more, so ``block = limit // (ranks * fetch_ahead + workers +
+    1)``, at most ``BLOCK_CAP`` (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also
+    keeps ``KEEP_BLOCKS`` blocks mapped, which may outlive their place in the cache (evicted, still mapped).
     """
     fetch_ahead = 3 * window if fetch_ahead is None else fetch_ahead
     workers = usable_cores() if workers is None else workers
