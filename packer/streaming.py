@@ -264,7 +264,8 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             on average (at least one shard).
         storage_options, cache_dir, cache_limit: for a URL ``root``: each shard is fetched into the cache when
             its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
-            may be below the dataset's size (it must hold one shard per worker).
+            may be below the dataset's size (it must hold one shard per worker; room for a window's shards
+            fetches each once an epoch, less may fetch again the shards the workers share).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
         fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
         resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip: as
