@@ -437,8 +437,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         # more pins than the blocks were sized for would starve the workers' own fetches of room in the cache
         raise ValueError(f"fetch_ahead={fetch_ahead}: {reader.where}'s blocks were cut for at most "
                          f"{reader.fetch_ahead} blocks fetched ahead within its cache; give at most that")
-    if shuffle is True and blocked_reader(dataset) is not None:
-        say_once(f"packer: {blocked_reader(dataset).where} is read a block at a time: shuffle=True shuffles blocks "
+    if shuffle is True and reader is not None:
+        say_once(f"packer: {reader.where} is read a block at a time: shuffle=True shuffles blocks "
                  f"(shuffle='blocks', {block_window} blocks mixed at a time)")
         shuffle = BLOCKS
     batch_size = 64 if batch_size is None else batch_size

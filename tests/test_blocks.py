@@ -25,7 +25,11 @@ from test_resume_loader import launch, read_out, stream_of
 import packer
 from packer.bench.shuffle_quality import batch_mixing, block_rows, sampler_labels
 from packer.blocks import block_order
-from packer.errors import PackerError
+from packer.errors import CorruptDataError, PackerError
+from packer.formats.hdf5 import Hdf5Reader
+from packer.formats.layout import Layout
+from packer.formats.lmdb import LmdbReader
+from packer.formats.wds import WdsReader
 from packer.sampler import ResumableSampler
 
 CLASSES, PER_CLASS = 4, 12
@@ -315,3 +319,19 @@ def test_an_image_folder_is_one_block_a_file(packs):
     assert folder.blocks().tolist() == list(range(COUNT))
     loader = packer.make_loader(folder, BATCH, shuffle="blocks", num_workers=0)
     assert sorted(int(i) for i in loader.sampler) == list(range(COUNT))
+
+
+@pytest.mark.parametrize("reader_class, file, index", [
+    (LmdbReader, "data.mdb", {}),
+    (Hdf5Reader, "data.h5", {}),
+    (WdsReader, "part-1/shard-000003.tar", {"crc32": np.zeros(3, np.uint32), "size": np.full(3, 10),
+                                              "label": np.zeros(3, np.int64), "shape": np.ones((3, 3), np.int64)}),
+])
+def test_a_ranged_hook_names_the_damaged_sample_once_from_the_datasets_url(reader_class, file, index):
+    """Every format's ``ranged_sample`` takes the dataset's URL (or folder) and names the sample from it, its file
+    and its index, once: the blocked reader passes the URL, not a sample's name."""
+    layout = Layout((file,), np.zeros(3, np.int32), np.array([0, 10, 20]), np.array([10, 20, 30]), index)
+    with pytest.raises(CorruptDataError) as exc:
+        reader_class.ranged_sample(1, memoryview(b"abc"), layout, "s3://bucket/ds/")
+    text = str(exc.value)
+    assert text.startswith(f"s3://bucket/ds/{file} sample 1:") and text.count("sample 1") == 1, text

@@ -268,14 +268,15 @@ class Reader(ABC):
     @classmethod
     def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
         """Sample ``index`` from its range's bytes (``data``: bytes ``layout.start[index]:layout.end[index]``
-        of its file); :class:`CorruptDataError` naming ``where`` when they are not a sample."""
+        of its file); :class:`CorruptDataError` naming the sample (:meth:`Layout.sample_name` of ``where``, the
+        dataset's URL or folder) when they are not a sample. Called once a sample read: it names nothing else."""
         raise NotImplementedError
 
     @classmethod
     def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
                       where: str) -> tuple[memoryview | bytes, ...]:
         """:meth:`read_extras` of sample ``index`` from its range's bytes (``extras``: the manifest's extra
-        fields, in order)."""
+        fields, in order; ``where``: the dataset's URL or folder, as for :meth:`ranged_sample`)."""
         raise NotImplementedError
 
     @classmethod

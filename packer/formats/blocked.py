@@ -202,7 +202,7 @@ class BlockedReader(Reader):
             reader.close_blocks()
 
     def read(self, index: int) -> Sample:
-        sample = self.format_class.ranged_sample(index, self._range(index), self.layout, self.describe(index))
+        sample = self.format_class.ranged_sample(index, self._range(index), self.layout, self.where)
         if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
             what, fix = ("the file's", "re-pack") if self.local else ("the fetched", "re-pack or re-upload")
             raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, {what} bytes are damaged; run "
@@ -213,8 +213,7 @@ class BlockedReader(Reader):
         return sample
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
-        return self.format_class.ranged_extras(index, self._range(index), self.layout, self.extra_fields,
-                                               self.describe(index))
+        return self.format_class.ranged_extras(index, self._range(index), self.layout, self.extra_fields, self.where)
 
     def fields_checksum(self, index: int) -> int | None:
         return self.format_class.ranged_fields_checksum(index, self._range(index), self.layout)

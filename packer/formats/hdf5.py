@@ -424,7 +424,7 @@ class Hdf5Reader(Reader):
         payload = memoryview(data).cast("B")
         size = int(layout.end[index]) - int(layout.start[index])
         if payload.nbytes != size:
-            raise CorruptDataError(f"{str(where).rstrip('/')}/{FILENAME} sample {index}: {payload.nbytes} bytes "
+            raise CorruptDataError(f"{layout.sample_name(where, index)}: {payload.nbytes} bytes "
                                    f"where its range holds {size}; open the dataset again")
         arrays = layout.index
         return _sample(index, payload, arrays["labels"], arrays["shapes"], arrays["crc32"])
@@ -433,7 +433,7 @@ class Hdf5Reader(Reader):
     def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
                       where: str) -> tuple[memoryview | bytes, ...]:
         arrays = layout.index
-        sample = f"{str(where).rstrip('/')}/{FILENAME} sample {index}"
+        sample = layout.sample_name(where, index)
         return tuple(_field_value(index, arrays[f"values.{field.name}"], arrays.get(f"offsets.{field.name}"), sample)
                      for field in extras)
 

@@ -102,6 +102,11 @@ class Layout:
     def __len__(self) -> int:
         return len(self.start)
 
+    def sample_name(self, where: str, index: int) -> str:
+        """Sample ``index`` named for a message, from the dataset's URL or folder ``where``: its file, then its
+        index (``s3://b/ds/data.mdb sample 7``)."""
+        return f"{str(where).rstrip('/')}/{self.files[int(self.file[index])]} sample {index}"
+
     def check(self, count: int, sizes: Sequence[int], where: object) -> None:
         """:class:`CorruptDataError` naming ``where`` unless there is one range per sample (``count``), each in
         its file (``sizes``: each file's bytes) and not reversed."""

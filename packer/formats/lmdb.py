@@ -437,19 +437,21 @@ class LmdbReader(Reader):
     @classmethod
     def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
         """:meth:`read` of sample ``index`` from its record's bytes (``data``: the LMDB value), parsed as
-        :meth:`read` parses it; ``where`` names the sample in errors (as :meth:`describe` does). The label is
-        NOT checked against the dataset's classes here (a classmethod has no manifest): the caller does, with
+        :meth:`read` parses it; ``where``, the dataset's URL or folder, names it in errors (only then). The label
+        is NOT checked against the dataset's classes here (a classmethod has no manifest): the caller does, with
         :meth:`Reader.check_labels` (and :meth:`Reader.checked` checks the crc32 and the class folder)."""
-        return parse_record(data, where)[0]
+        return parse_record(data, lambda: layout.sample_name(where, index))[0]
 
     @classmethod
     def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
                       where: str) -> tuple[memoryview | bytes, ...]:
         """:meth:`read_extras` of sample ``index`` from its record's bytes; :class:`CorruptDataError` naming
-        ``where`` when the record holds another number of fields than ``extras``."""
-        values = record_fields(data, where)[0]
+        the sample (from ``where``, as :meth:`ranged_sample`) when the record holds another number of fields than
+        ``extras``."""
+        sample = layout.sample_name(where, index)
+        values = record_fields(data, sample)[0]
         if len(values) != len(extras):
-            raise CorruptDataError(f"{where}: holds {len(values)} fields, the manifest says {len(extras)}; run "
+            raise CorruptDataError(f"{sample}: holds {len(values)} fields, the manifest says {len(extras)}; run "
                                    "`packer verify`")
         return values
 

@@ -105,7 +105,7 @@ def ranged_extras(index: int, data: memoryview, layout: Layout, extras: Sequence
     member (its offsets in the shard rounded as there: the range begins at the payload, not at a tar block)."""
     ix, start = layout.index, int(layout.start[index])
     at = after_json(start + int(ix["json_at"][index]), int(ix["json_size"][index])) - start
-    return field_members(memoryview(data), at, extras, f"{shard_where(where, layout, index)} sample {index}")
+    return field_members(memoryview(data), at, extras, layout.sample_name(where, index))
 
 
 def ranged_fields_checksum(index: int, data: memoryview, layout: Layout) -> int | None:
