@@ -142,9 +142,9 @@ class CachePoll(Poll):
 class FaultProxy(http.server.BaseHTTPRequestHandler):
     """Forwards every request to ``upstream`` (host, port). ``faults`` (a deque shared by the proxy) holds what
     the next GETs suffer: ``"500"``, ``"reset"`` (the connection closed with RST, nothing sent), ``"truncate"``
-    (the upstream answer with half its body, then the connection closed) or ``"stall"`` (nothing for 2 s, then
-    the connection closed); ``latency`` seconds are added to every request; ``most_in_flight`` counts the requests
-    answered at once."""
+    (the upstream answer with half its body, then the connection closed), ``"stall"`` (nothing for 2 s, then
+    the connection closed) or ``"norange"`` (forwarded without its Range header: the whole object);
+    ``latency`` seconds are added to every request; ``most_in_flight`` counts the requests answered at once."""
 
     upstream: tuple[str, int]
     served: Served
@@ -185,7 +185,8 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         conn = http.client.HTTPConnection(*self.upstream, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive", "expect")}
+        dropped = ("connection", "keep-alive", "expect", *(("range",) if fault == "norange" else ()))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
         conn.request(self.command, self.path, body=body, headers=headers)
         answer = conn.getresponse()
         data = answer.read()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import PackerError, RemoteError
+from . import presigned
 from .fs import is_transient, storage_error
 
 CHUNK = 64 << 20  # bytes per ranged GET: few requests per file, bounded memory
@@ -46,17 +47,26 @@ def _stream(fs: Any, url: str, start: int | None, limit: int) -> bytes:
 
 def _cat(fs: Any, url: str, start: int | None = None, end: int | None = None, limit: int | None = None) -> bytes:
     """One GET (ranged when ``start`` is given), counted; never more than ``end - start`` (or ``limit``) bytes
-    plus one are read into memory, so a longer answer is seen as one without growing past it."""
+    plus one are read into memory, so a longer answer is seen as one without growing past it. An S3 range goes
+    through its presigned URL where :mod:`.presigned` applies, and through ``fs`` when that does not answer it."""
     STATS["requests"] += 1
-    most = (end - start) if start is not None and end is not None else limit
-    if most is not None and _is_http(fs):
-        data = _stream(fs, url, start, most)
-    elif start is None and limit is not None:
-        data = fs.cat_file(url, start=0, end=limit + 1)
-    else:
-        data = fs.cat_file(url, start=start, end=end)
+    data = _fetch(fs, url, start, end, limit)
     STATS["bytes"] += len(data)
     return data
+
+
+def _fetch(fs: Any, url: str, start: int | None, end: int | None, limit: int | None) -> bytes:
+    if start is not None and end is not None and presigned.applies(fs):
+        data = presigned.ranged_get(fs, url, start, end)
+        if data is not None:
+            return data
+        STATS["requests"] += 1  # read again through fs
+    most = (end - start) if start is not None and end is not None else limit
+    if most is not None and _is_http(fs):
+        return _stream(fs, url, start, most)
+    if start is None and limit is not None:
+        return fs.cat_file(url, start=0, end=limit + 1)
+    return fs.cat_file(url, start=start, end=end)
 
 
 def attempts() -> int:

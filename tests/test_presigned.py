@@ -1,0 +1,99 @@
+"""Ranged GETs of S3 objects through presigned URLs (packer.remote.presigned), against moto behind the fault
+proxy: the same bytes as s3fs reads, s3fs whenever that path does not answer the range, and s3fs alone where the
+path cannot reproduce its settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from remote_support import S3Server, fault_proxy
+
+from packer.remote import presigned
+from packer.remote.fetch import _cat
+from packer.remote.fs import filesystem
+
+BLOB = os.urandom(300_000)
+
+
+@pytest.fixture(scope="module")
+def proxied():
+    s3 = S3Server()
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.url).put_object(Bucket="bucket", Key="blob", Body=BLOB)
+    proxy = fault_proxy(s3.url)
+    yield proxy
+    proxy.stop()
+    s3.stop()
+
+
+def signed_gets(proxy) -> int:
+    return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and "Signature=" in path)
+
+
+def unsigned_gets(proxy) -> int:
+    return sum(n for (method, path), n in proxy.requests.items() if method == "GET" and "Signature=" not in path)
+
+
+def fresh_fs(proxy, **options):
+    """A filesystem no earlier test turned the path off for (its failures are counted by its options)."""
+    return filesystem("s3", {"endpoint_url": proxy.url, "client_kwargs": {"region_name": "us-east-1"}, **options})
+
+
+def test_a_range_is_one_get_of_its_presigned_url(proxied):
+    fs = fresh_fs(proxied, key="testing", secret="testing")
+    assert presigned.applies(fs)
+    signed, unsigned = signed_gets(proxied), unsigned_gets(proxied)
+    assert _cat(fs, "s3://bucket/blob", 1_000, 201_000) == BLOB[1_000:201_000]
+    assert _cat(fs, "s3://bucket/blob", 299_999, 300_000) == BLOB[-1:]
+    assert (signed_gets(proxied) - signed, unsigned_gets(proxied) - unsigned) == (2, 0)
+
+
+@pytest.mark.parametrize("fault", ["500", "reset", "truncate"])
+def test_a_failed_get_is_read_again_through_s3fs_and_keeps_the_path(proxied, fault):
+    fs = fresh_fs(proxied, key="testing", secret="testing")
+    proxied.faults.append(fault)
+    unsigned = unsigned_gets(proxied)
+    assert _cat(fs, "s3://bucket/blob", 10, 20_010) == BLOB[10:20_010]
+    assert unsigned_gets(proxied) - unsigned == 1  # the retry went through s3fs
+    assert presigned.applies(fs)  # a transient failure does not turn the path off
+
+
+def test_a_server_that_ignores_range_turns_the_path_off_after_a_few_answers(proxied):
+    fs = fresh_fs(proxied, anon=False)
+    for _ in range(presigned.FAILURES):
+        assert presigned.applies(fs)
+        proxied.faults.append("norange")
+        assert _cat(fs, "s3://bucket/blob", 5, 105) == BLOB[5:105]
+    assert not presigned.applies(fs)
+    signed = signed_gets(proxied)
+    assert _cat(fs, "s3://bucket/blob", 0, 100) == BLOB[:100]
+    assert signed_gets(proxied) == signed
+
+
+def test_settings_it_cannot_reproduce_keep_s3fs(proxied, monkeypatch):
+    assert not presigned.applies(fresh_fs(proxied, requester_pays=True))
+    assert not presigned.applies(fresh_fs(proxied, client_kwargs={"verify": False}))
+    assert not presigned.applies(filesystem("http"))
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert not presigned.applies(fresh_fs(proxied, key="testing", secret="testing"))
+
+
+def _read_in_child(options: dict, queue) -> None:
+    fs = filesystem("s3", options)  # a filesystem of the child's own, with the parent's options
+    fs.url = None  # the child may not sign: it reads with the URL its parent signed
+    queue.put(presigned.ranged_get(fs, "s3://bucket/blob", 7, 77))
+
+
+def test_a_forked_worker_reads_with_the_urls_its_parent_signed(proxied):
+    import multiprocessing
+
+    fs = fresh_fs(proxied, key="testing", secret="testing")
+    assert _cat(fs, "s3://bucket/blob", 0, 10) == BLOB[:10]  # signed here
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(fs.storage_options, queue))
+    child.start()
+    assert queue.get(timeout=30) == BLOB[7:77]
+    child.join(10)
