@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import random
 import shutil
@@ -176,7 +177,12 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
         conn.send(reply)
 
 
-def _stop(conns: list, processes: list) -> None:
+def _stop(conns: list, processes: list, owner: int) -> None:
+    """Stop the workers of the pool made in process ``owner``. In any other process (a child forked while the pool
+    lived, which may collect its inherited copy) nothing: its workers are not that process's to stop, and joining
+    them raised there, as an unraisable exception in the middle of whatever the child was running."""
+    if os.getpid() != owner:
+        return
     for conn in conns:
         try:
             conn.send(None)
@@ -239,7 +245,7 @@ class WorkerPool:
         self.conns: list = []
         self.processes: list = []
         # registered first: workers started before a later one fails to start are stopped too
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes, os.getpid())
         forked = ctx.get_start_method() == "fork"
         for worker_id in range(workers):
             parent, child = ctx.Pipe()

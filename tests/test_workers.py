@@ -188,6 +188,24 @@ print("warned", len(caught), caught[0].message if caught else "")
 """
 
 
+def test_a_forked_child_that_collects_its_copy_of_the_pool_leaves_the_workers_alone(pack):
+    """A child forked while a pool lives (another library's worker, a subprocess) inherits the pool; collecting
+    it there must not stop the parent's workers through the inherited pipes, nor raise in the child."""
+    ds = packer.open_dataset(pack("lmdb", "raw"))
+    loader = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=2, timeout=LIVENESS)
+    expected = copied(loader)
+    pid = os.fork()
+    if pid == 0:  # the child: run the inherited pool's finalizer, as its garbage collection would
+        try:
+            loader.worker_pool._finalizer()
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert all(p.is_alive() for p in loader.worker_pool.processes)
+    assert_same_batches(copied(loader), expected)
+
+
 def test_a_small_dev_shm_keeps_threads_by_default_and_is_one_line_when_asked_for(pack):
     """A container's /dev/shm is 64 MB unless told otherwise: the default loader then keeps to threads, and
     num_workers=2 warns and stops with a one-line error instead of a bus error. A 4 MiB tmpfs over /dev/shm, in
