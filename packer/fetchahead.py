@@ -1,15 +1,15 @@
 """Fetch ahead, release behind, for a dataset read a block at a time (a URL larger than the local cache).
 
 While a loader's pass runs, a thread of the main process knows this rank's coming blocks (from the pass's
-sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks beyond the batches
-handed to the decoders (worker processes or threads) fetched and held (pinned in the cache), and lets each one
-go once the last batch that reads it has been received by the caller; it never holds more than ``ahead``
-blocks (those of batches in flight included), which the block size leaves room for. Up to ``FETCHERS`` of them
-are fetched at once, in the order they will be read, so that each request's latency overlaps the others' and
-the decoding. Correctness never depends on
-it: a worker that needs a block not yet there fetches it itself (the cache makes one process fetch, the others
-wait). When the cache has no room the thread waits; it stops with the pass, when the caller drops the iterator,
-or when the loader starts another pass.
+sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks that batches still
+need fetched and held (pinned in the cache): a batch needs its blocks until the caller has received it, or,
+with packer's worker pool, only until its worker has mapped them
+(:meth:`~packer.workers.WorkerPool.mapped_batches`), and each block goes once no batch needs it. It never holds
+more than ``ahead`` blocks, which the block size leaves room for. Up to ``FETCHERS`` of them are fetched at
+once, in the order they will be read, so that each request's latency overlaps the others' and the decoding.
+Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
+one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
+the caller drops the iterator, or when the loader starts another pass.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndar
 
 
 class FetchAhead:
-    """The thread that fetches ``ahead`` blocks ahead of the batches handed to the decoders (``handed()``) and
-    releases them behind the batches received (``progress.received``), for one pass (``indices``: this rank's
-    samples, in order).
+    """The thread that keeps the next ``ahead`` blocks that batches still need fetched, and releases each once
+    none does (``progress.received``, or ``mapped()``), for one pass (``indices``: this rank's samples, in
+    order).
 
     Args:
         reader: the blocked reader (``block_of``, ``hold_block``).
@@ -113,17 +113,19 @@ class FetchAhead:
         batch_size: samples per batch.
         progress: the pass's :class:`~packer.state.Progress` (batches received so far).
         owner: the iterator the caller holds: when it is garbage-collected, the thread stops.
-        ahead: how many blocks to hold at most (beyond the batches handed out, where it can).
-        handed: the batches handed to the decoders so far (default: those received).
+        ahead: how many blocks to hold at most.
+        mapped: the first batches that no longer need their blocks in the cache (received, or their decoder has
+            mapped every block they read: :meth:`packer.workers.WorkerPool.mapped_batches`; default: those
+            received).
     """
 
     def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int,
-                 handed: Callable[[], int] | None = None):
+                 mapped: Callable[[], int] | None = None):
         self.order, self.last = block_plan(reader.block_of(indices), batch_size)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
                                        args=(reader.hold_block, self.order, self.last, progress,
-                                             handed or (lambda: progress.received), weakref.ref(owner),
+                                             mapped or (lambda: progress.received), weakref.ref(owner),
                                              max(0, ahead), self.stop_event))
         _RUNNING.add(self)
         self.thread.start()
@@ -136,10 +138,10 @@ class FetchAhead:
 
     @staticmethod
     def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
-             handed: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
+             mapped: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
         fetchers = _Fetchers(hold, min(FETCHERS, ahead), stop)
-        passed = 0  # the blocks of ``order`` before this one are handed out whole
+        passed = 0  # no batch needs the blocks of ``order`` before this one
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
                 room = True
@@ -148,9 +150,8 @@ class FetchAhead:
                         room = False
                     else:
                         held[k] = release
-                received = progress.received
-                frontier = max(received, handed())
-                for k in [k for k in held if last[k] < received]:  # every batch that reads it was received
+                frontier = max(progress.received, mapped())  # the first batch that still needs its blocks
+                for k in [k for k in held if last[k] < frontier]:  # no batch needs it
                     held.pop(k)()
                 while passed < len(order) and last[passed] < frontier:
                     passed += 1

@@ -184,9 +184,9 @@ class PrefetchLoader(DataLoader):
         reader = blocked_reader(self.dataset)
         if reader is not None and epoch_pass.per_rank:  # started after any worker forked: they hold none of it
             ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
-            started, batch = sampler.passes, self.batch_size  # handed out: this pass's batches, once it started
-            self._fetching = FetchAhead(reader, epoch_pass.indices(), batch, self._received, counting, ahead,
-                                        lambda: sampler.yielded // batch if sampler.passes > started else 0)
+            pool = self._worker_pool
+            self._fetching = FetchAhead(reader, epoch_pass.indices(), self.batch_size, self._received, counting,
+                                        ahead, pool.mapped_batches if pool is not None else None)
         return counting
 
     def _restart_untouched(self, sampler: ResumableSampler) -> None:

@@ -11,15 +11,22 @@ each batch is copied into a pinned batch instead and its slot is free at once.
 
 Messages, over one duplex pipe per worker:
 
-- main to worker: ``("batch", key, slot_id, shared_tensor or None, indices)``, the tensor the first time this
-  worker gets that slot; ``("forget", slot_id)``; ``None`` to stop;
+- main to worker: ``("batch", key, slot_id, shared_tensor or None, indices, sequence)``, the tensor the first
+  time this worker gets that slot; ``("forget", slot_id)``; ``None`` to stop;
 - worker to main: ``(key, result, None)``, or ``(key, None, exception)`` when the batch failed; the result is
   the labels (and, for a dataset with fields, the values of those that are not dense:
   :meth:`~packer.dataset.PackedDataset.decode_slot`).
+
+For a dataset read a block at a time, a worker first maps every block of the batch, then writes the batch's
+sequence number into its entry of a shared array (``mapped``) before it decodes: from then on the batch no longer
+needs its blocks in the cache, and :meth:`WorkerPool.mapped_batches` tells the loader's fetch-ahead so, which
+lets them go and fetches further ahead in their place (holding them until the batch came back left it only a
+block or two ahead of the decoders, since the batches in flight span whole windows of blocks).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -29,6 +36,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -39,6 +47,7 @@ import torch
 
 from .buffers import shared_tensor, tensor_bytes
 from .errors import PackerError
+from .fetchahead import blocked_reader
 from .system import close_fds, die_with_parent
 
 
@@ -143,11 +152,12 @@ def _sendable(exc: BaseException) -> BaseException:
 
 
 def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: int, seed: int,
-          not_mine: list[int]) -> None:
+          not_mine: list[int], mapped: Any) -> None:
     """A worker's loop: decode each batch asked for into its slot, answer with the labels or the error.
     ``not_mine``: the descriptors a forked worker closes (the main process's pipe ends and earlier workers'
     process pipes), so that it reads its pipe's end of file when the main process dies; the parent-death signal
-    backs that up."""
+    backs that up. ``mapped``: the shared array whose entry ``worker_id`` this worker sets to the sequence number
+    of the batch whose blocks it has mapped (a dataset read a block at a time)."""
     close_fds(not_mine)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle; it stops the workers
@@ -156,6 +166,7 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
     random.seed(seed + worker_id)
     np.random.seed((seed + worker_id) % 2**32)
     slots: dict[int, np.ndarray] = {}
+    reader = blocked_reader(dataset)
     while True:
         try:
             message = conn.recv()
@@ -166,10 +177,13 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
         if message[0] == "forget":
             slots.pop(message[1], None)
             continue
-        _, key, slot_id, shared, indices = message
+        _, key, slot_id, shared, indices, sequence = message
         if shared is not None:
             slots[slot_id] = tuple(t.numpy() for t in shared)
         try:
+            if reader is not None:
+                reader.map_blocks(indices)
+                mapped[worker_id] = sequence
             result = dataset.decode_slot(indices, [array[: len(indices)] for array in slots[slot_id]])
             reply = (key, result, None)
         except Exception as exc:  # sent to the main process, raised there for this batch
@@ -247,12 +261,13 @@ class WorkerPool:
         # registered first: workers started before a later one fails to start are stopped too
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes, os.getpid())
         forked = ctx.get_start_method() == "fork"
+        self.mapped = ctx.RawArray("q", workers)  # per worker: the sequence number of the batch it has mapped
         for worker_id in range(workers):
             parent, child = ctx.Pipe()
             self.conns.append(parent)
             not_mine = [c.fileno() for c in self.conns] + [p.sentinel for p in self.processes] if forked else []
-            process = ctx.Process(target=_work, args=(dataset, child, worker_id, seed, not_mine), daemon=True,
-                                  name=f"packer-worker-{worker_id}")
+            process = ctx.Process(target=_work, args=(dataset, child, worker_id, seed, not_mine, self.mapped),
+                                  daemon=True, name=f"packer-worker-{worker_id}")
             process.start()
             child.close()
             self.processes.append(process)
@@ -262,6 +277,10 @@ class WorkerPool:
         self.done: dict[tuple[int, int], tuple[Any, BaseException | None]] = {}
         self.passes = itertools.count()
         self.current = -1  # the pass being iterated
+        self.sequence = itertools.count(1)  # every batch sent, across passes
+        self.queued: list[collections.deque] = [collections.deque() for _ in range(workers)]  # (sequence, key)
+        self.sent = 0  # batches of the current pass sent
+        self.lock = threading.Lock()  # queued and sent, read by the fetch-ahead thread
 
     def close(self) -> None:
         """Stop the workers (also done when the pool is garbage-collected, and at exit)."""
@@ -269,9 +288,28 @@ class WorkerPool:
 
     def iterate(self, batches: Iterator[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(images, labels)`` batches for these index lists, in order: NCHW views of shared memory (or
-        pinned copies) and int64 labels."""
-        pass_id = self.current = next(self.passes)
+        pinned copies) and int64 labels. The pass starts now (:meth:`mapped_batches` counts its batches), its
+        batches when iterated."""
+        with self.lock:
+            pass_id = self.current = next(self.passes)
+            self.sent = 0
         self.done.clear()  # an abandoned pass's batches: their slots are free again
+        return self._iterate(pass_id, batches)
+
+    def mapped_batches(self) -> int:
+        """How many of the current pass's first batches no longer need their blocks in the cache: each is
+        decoded, or its worker has mapped every block it reads (a dataset read a block at a time; for any other
+        dataset, only those decoded count)."""
+        with self.lock:
+            frontier = self.sent
+            for worker, queued in enumerate(self.queued):
+                for sequence, (pass_id, batch) in queued:
+                    if pass_id == self.current and sequence > self.mapped[worker]:
+                        frontier = min(frontier, batch)
+                        break
+            return frontier
+
+    def _iterate(self, pass_id: int, batches: Iterator[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         sent = received = 0
         exhausted = False
         while True:
@@ -305,8 +343,13 @@ class WorkerPool:
                     self.conns[w].send(("forget", forgotten))
         shared = None if slot_id in self.has_slot[worker] else self.slots.shared(slot_id)
         self.has_slot[worker].add(slot_id)
+        sequence = next(self.sequence)
+        with self.lock:
+            self.queued[worker].append((sequence, key))
+            if key[0] == self.current:
+                self.sent = max(self.sent, key[1] + 1)
         try:
-            self.conns[worker].send(("batch", key, slot_id, shared, indices))
+            self.conns[worker].send(("batch", key, slot_id, shared, indices, sequence))
         except OSError:  # its end of the pipe closed: the worker is gone
             self._ended(worker)
         self.in_flight[worker] += 1
@@ -325,6 +368,8 @@ class WorkerPool:
             except (EOFError, OSError):
                 continue  # the process's sentinel reports it
             self.in_flight[worker] -= 1
+            with self.lock:
+                self.queued[worker] = collections.deque(q for q in self.queued[worker] if q[1] != key)
             _, _, array, rows = self.pending.pop(key)
             if key[0] != self.current:
                 continue  # an abandoned pass's batch: its slot is free again

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import noise_folder
-from packed_support import FORMATS, Poll, free_port, manifest_bytes, pixel_table, seen_indices
+from packed_support import FORMATS, Poll, free_port, manifest_bytes, pixel_digest, pixel_table, seen_indices
 
 import packer
 from packer.bench.cache import EVICTED_BELOW, evict, release_handles, resident_bytes, resident_fraction
@@ -198,6 +198,40 @@ def test_worker_processes_prefetch_one_batch_each_unless_told(packs, tmp_path):
     assert packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, prefetch_factor=3).plan.prefetch == 3
     whole = packer.open_dataset(packs / "wds")
     assert packer.make_loader(whole, batch_size=BATCH, num_workers=WORKERS).plan.prefetch > 1
+
+
+def test_the_pool_says_when_a_batch_has_its_blocks_before_it_comes_back(packs, tmp_path):
+    """A worker of packer's pool reads every block of its batch before it decodes it and says so: the fetch-ahead
+    lets those blocks go then (mapped_batches), not once the batch comes back; the epoch is whole all the same."""
+    ds = open_paged(packs, "lmdb", tmp_path, center_crop=8)  # one shape: packer's pool decodes it
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle="blocks", seed=2)
+    assert loader.plan.engine == "pool"
+    iterator = iter(loader)
+    first = next(iterator)
+    pool = loader._worker_pool
+    deadline = time.monotonic() + 30
+    while pool.mapped_batches() < 2 and time.monotonic() < deadline:  # batch 1 is in its worker
+        time.sleep(0.01)
+    assert pool.mapped_batches() >= 2 > loader._received.received == 1
+    crops = {pixel_digest(ds[i][0]): i for i in range(COUNT)}  # each sample's crop, read without the pool
+    seen = [crops[pixel_digest(image)] for images in [first[0], *(images for images, _ in iterator)]
+            for image in images]
+    assert sorted(seen) == list(range(COUNT))
+
+
+def test_a_batchs_blocks_stay_open_while_it_is_decoded(packs, tmp_path):
+    """map_blocks opens every block of a batch, more than KEEP_BLOCKS too, and reading its samples opens none
+    again."""
+    reader = open_paged(packs, "hdf5", tmp_path).reader
+    indices = [int(start) for start in reader.starts[: reader.keep + 3]]  # one sample from each of 7 blocks
+    opened = []
+    store_open = reader.store.open
+    reader.store.open = lambda *block: opened.append(block) or store_open(*block)
+    reader.map_blocks(indices)
+    assert len(opened) == len(indices) == len(reader._blocks)
+    for index in reversed(indices):
+        reader.read(index)
+    assert len(opened) == len(indices)
 
 
 def test_a_dataset_that_fits_the_budget_is_mapped_as_without_one(packs, tmp_path):

@@ -29,7 +29,7 @@ from .parts import dataset_layout
 
 BLOCK_CAP = 64 << 20  # the largest block: a few seconds of decoding on one core
 WINDOW = 4  # make_loader's block_window default: the blocks one window of the order mixes
-KEEP_BLOCKS = 4  # blocks each process keeps mapped: a window's, as a batch mixes them
+KEEP_BLOCKS = 4  # blocks each process keeps mapped, at least: a window's, as a batch mixes them
 
 
 class BlockStore(Protocol):
@@ -64,12 +64,13 @@ def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = Non
     """The block size for a cache of ``limit`` bytes, and the blocks each rank's loader fetches ahead.
 
     The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default three
-    windows: the one being read and the next, which the batches in flight reach into, and one fetched while
-    those are decoded: with two, the batches in flight held them all and workers waited on their own
-    fetches), one block per worker process (``workers``, default the node's usable cores: a block is pinned
-    while a worker fetches and maps it) and one more, so ``block = limit // (ranks * fetch_ahead + workers +
-    1)``, at most ``BLOCK_CAP`` (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default 1). Each process also
-    keeps ``KEEP_BLOCKS`` blocks mapped, which may outlive their place in the cache (evicted, still mapped).
+    windows: the one being read, the next, which the batches in flight reach into, and one fetched while those
+    are decoded; two left the decoders waiting on fetches, four cut more and smaller blocks, whose requests
+    cost more CPU than the waits saved), one block per worker process (``workers``, default the node's usable
+    cores: a block is pinned while a worker fetches and maps it) and one more, so ``block = limit // (ranks *
+    fetch_ahead + workers + 1)``, at most ``BLOCK_CAP`` (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default
+    1). Each process also keeps at least ``KEEP_BLOCKS`` blocks mapped (a worker of packer's pool: every block
+    of the batch it decodes), which may outlive their place in the cache (evicted, still mapped).
     """
     fetch_ahead = 3 * window if fetch_ahead is None else fetch_ahead
     workers = usable_cores() if workers is None else workers
@@ -147,6 +148,7 @@ class BlockedReader(Reader):
              np.maximum.reduceat(layout.end, self.starts)], axis=1)
         self._blocks: collections.OrderedDict | None = None
         self._lock: Any = None
+        self._batch_blocks = 0  # the blocks of the batch map_blocks mapped last: all kept open
 
     def __len__(self) -> int:
         return len(self.layout)
@@ -168,20 +170,35 @@ class BlockedReader(Reader):
         """Fetch block ``block`` ahead and keep it until the returned call (None: no room now)."""
         return self.store.hold(*self.block_range(block), wait=wait)
 
-    def _range(self, index: int) -> memoryview:
-        """Sample ``index``'s range bytes, from its block (opened, and kept among the last ``keep``)."""
+    def _block(self, block: int) -> memoryview:
+        """Block ``block``'s bytes, opened when this process has not kept them, and kept among the last ``keep``
+        (or the blocks of the batch :meth:`map_blocks` mapped, where there are more)."""
         self.open()
-        block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
         with self._lock:
             found = self._blocks.get(block)
             if found is None:
                 found = self._blocks[block] = self.store.open(*self.block_range(block))
-                while len(self._blocks) > self.keep:
+                while len(self._blocks) > max(self.keep, self._batch_blocks):
                     self._blocks.popitem(last=False)
             else:
                 self._blocks.move_to_end(block)
+        return found
+
+    def map_blocks(self, indices: Sequence[int]) -> None:
+        """Open every block that samples ``indices`` read, and keep them all open until the next call (a
+        worker process does this before it decodes a batch: from then on the batch needs none of them in the
+        cache, and the loader's fetch-ahead may let them go)."""
+        self.open()
+        blocks = np.unique(self.block_of(indices)).tolist()
+        self._batch_blocks = len(blocks)
+        for block in blocks:
+            self._block(block)
+
+    def _range(self, index: int) -> memoryview:
+        """Sample ``index``'s range bytes, from its block."""
+        block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
+        data = self._block(block)
         offset = int(self.spans[block][1])
-        data = found
         start, end = int(self.layout.start[index]) - offset, int(self.layout.end[index]) - offset
         if end > len(data):
             fix = (f"the file is shorter than when the dataset was opened; run `packer verify {self.where}` and "
