@@ -43,7 +43,7 @@ def fresh_fs(proxy, **options):
 
 def test_a_range_is_one_get_of_its_presigned_url(proxied):
     fs = fresh_fs(proxied, key="testing", secret="testing")
-    assert presigned.applies(fs)
+    assert presigned.can_presign(fs)
     signed, unsigned = signed_gets(proxied), unsigned_gets(proxied)
     assert _cat(fs, "s3://bucket/blob", 1_000, 201_000) == BLOB[1_000:201_000]
     assert _cat(fs, "s3://bucket/blob", 299_999, 300_000) == BLOB[-1:]
@@ -57,33 +57,33 @@ def test_a_failed_get_is_read_again_through_s3fs_and_keeps_the_path(proxied, fau
     unsigned = unsigned_gets(proxied)
     assert _cat(fs, "s3://bucket/blob", 10, 20_010) == BLOB[10:20_010]
     assert unsigned_gets(proxied) - unsigned == 1  # the retry went through s3fs
-    assert presigned.applies(fs)  # a transient failure does not turn the path off
+    assert presigned.can_presign(fs)  # a transient failure does not turn the path off
 
 
 def test_a_server_that_ignores_range_turns_the_path_off_after_a_few_answers(proxied):
     fs = fresh_fs(proxied, anon=False)
     for _ in range(presigned.FAILURES):
-        assert presigned.applies(fs)
+        assert presigned.can_presign(fs)
         proxied.faults.append("norange")
         assert _cat(fs, "s3://bucket/blob", 5, 105) == BLOB[5:105]
-    assert not presigned.applies(fs)
+    assert not presigned.can_presign(fs)
     signed = signed_gets(proxied)
     assert _cat(fs, "s3://bucket/blob", 0, 100) == BLOB[:100]
     assert signed_gets(proxied) == signed
 
 
 def test_settings_it_cannot_reproduce_keep_s3fs(proxied, monkeypatch):
-    assert not presigned.applies(fresh_fs(proxied, requester_pays=True))
-    assert not presigned.applies(fresh_fs(proxied, client_kwargs={"verify": False}))
-    assert not presigned.applies(filesystem("http"))
+    assert not presigned.can_presign(fresh_fs(proxied, requester_pays=True))
+    assert not presigned.can_presign(fresh_fs(proxied, client_kwargs={"verify": False}))
+    assert not presigned.can_presign(filesystem("http"))
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
-    assert not presigned.applies(fresh_fs(proxied, key="testing", secret="testing"))
+    assert not presigned.can_presign(fresh_fs(proxied, key="testing", secret="testing"))
 
 
 def _read_in_child(options: dict, queue) -> None:
     fs = filesystem("s3", options)  # a filesystem of the child's own, with the parent's options
     fs.url = None  # the child may not sign: it reads with the URL its parent signed
-    queue.put(presigned.ranged_get(fs, "s3://bucket/blob", 7, 77))
+    queue.put(presigned.presigned_range(fs, "s3://bucket/blob", 7, 77))
 
 
 def test_a_forked_worker_reads_with_the_urls_its_parent_signed(proxied):

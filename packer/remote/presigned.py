@@ -53,7 +53,7 @@ def _options(fs: Any) -> str:
     return json.dumps(getattr(fs, "storage_options", {}) or {}, sort_keys=True, default=repr)
 
 
-def applies(fs: Any) -> bool:
+def can_presign(fs: Any) -> bool:
     """Whether ranges of ``fs``'s objects may be read through presigned URLs: an S3 filesystem with plain options
     (see the module's docstring), no proxy set, urllib3 importable and fewer than ``FAILURES`` failures so far."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -111,10 +111,10 @@ def _failed(fs: Any, url: str, counted: bool = True) -> None:
             _FAILED[key] = _FAILED.get(key, 0) + 1
 
 
-def ranged_get(fs: Any, url: str, start: int, end: int) -> bytes | None:
+def presigned_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
     """Bytes ``[start, end)`` of the S3 object ``url`` (``s3://bucket/key``) through its presigned URL, or None
     when the GET did not answer exactly that range (the caller reads it through ``fs``). Call only where
-    :func:`applies`. Never reads more than the range (plus one byte) into memory."""
+    :func:`can_presign`. Never reads more than the range (plus one byte) into memory."""
     try:
         signed = _presigned(fs, url)
     except Exception:  # noqa: BLE001 - s3fs raises its own kinds; the caller's read through s3fs reports them
