@@ -270,6 +270,28 @@ def test_a_full_cache_waits_for_room_and_an_object_over_the_limit_fails_at_once(
     assert not isinstance(error.value, CacheFull) and time.monotonic() - started < 1
 
 
+def test_threads_of_one_process_make_room_one_at_a_time(tmp_path):
+    """A process opens the eviction lock once, and its threads share that descriptor, which a flock cannot tell
+    apart: 8 threads fetching at once (the fetch-ahead's) still reserve room one at a time, within the limit."""
+    cache = Cache(tmp_path / "cache", limit=1000)
+    seen = []
+
+    def fetch(path: Path) -> None:
+        seen.append(cache.used())  # every reservation made so far, this one included
+        time.sleep(0.01)
+        path.write_bytes(b"x" * 250)
+
+    def get(n: int) -> None:
+        when_room(lambda: cache.obtain(hashlib.sha256(bytes([n])).hexdigest(), 250, fetch, inherited=False)).release()
+
+    threads = [threading.Thread(target=get, args=(n,)) for n in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 24 and max(seen) <= 1000 and cache.used() <= 1000
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Faults
 # --------------------------------------------------------------------------------------------------------------

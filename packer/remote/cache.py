@@ -26,14 +26,16 @@ import hashlib
 import os
 import re
 import stat
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import RemoteError, UsageError
 from ..options import parse_bytes
-from ..system import default_cache_dir, lock_file
+from ..system import default_cache_dir, lock_file, unlock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 
@@ -79,7 +81,12 @@ def when_room(obtain: Callable[[], Pin], wait: bool = True) -> Pin | None:
 _NOT_INHERITED: dict[int, int] = {}
 
 
+_OPENING = threading.Lock()  # a cache's eviction-lock descriptor is opened once per process
+
+
 def _close_inherited() -> None:
+    global _OPENING
+    _OPENING = threading.Lock()
     for fd in list(_NOT_INHERITED):
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -122,9 +129,17 @@ class Pin:
             self._fd = None
 
 
-def _is_regular(path: Path) -> bool:
+def _is_regular(path: str | Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_folder(path: str) -> bool:
+    """A folder, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
 
@@ -142,11 +157,15 @@ class Cache:
         except OSError as exc:
             raise RemoteError(f"{self.root}: cannot create the cache folder ({exc.strerror or exc}); set "
                               "PACKER_CACHE_DIR or pass cache_dir to a writable folder") from None
+        # the folders as strings, from the resolved root: every fetch scans and names files in them
+        real = os.path.realpath(self.root)
+        self._objects, self._tmp, self._locks = (os.path.join(real, sub) for sub in ("objects", "tmp", "locks"))
+        self._eviction: tuple[int, int, threading.Lock] | None = None  # (pid, evict.lock's fd, a thread lock)
 
     def object_path(self, sha256: str) -> Path:
         if not _SHA.fullmatch(sha256):
             raise ValueError(f"not a sha256: {sha256!r}")
-        return self.root / "objects" / sha256[:2] / sha256
+        return Path(f"{self._objects}/{sha256[:2]}/{sha256}")
 
     def view(self, url: str) -> Path:
         """The folder holding ``url``'s manifest and links to its cached files: ``views/s3/bucket/ds-<hash>``,
@@ -176,12 +195,32 @@ class Cache:
         return Pin(path, fd, inherited)
 
     @contextlib.contextmanager
-    def _locked(self, path: Path, shared: bool = False, blocking: bool = True) -> Iterator[bool]:
+    def _locked(self, path: str) -> Iterator[None]:
         fd = _open(path, os.O_RDWR | os.O_CREAT)
         try:
-            yield lock_file(fd, exclusive=not shared, blocking=blocking)
+            lock_file(fd)
+            yield
         finally:
             _close(fd)
+
+    @contextlib.contextmanager
+    def _eviction_locked(self) -> Iterator[None]:
+        """The node's eviction lock (``evict.lock``), held by one thread of one process at a time: its file is
+        opened once per process (a flock does not exclude the threads that share a descriptor: a thread lock
+        does) and closed with this object."""
+        with _OPENING:
+            held = self._eviction
+            if held is None or held[0] != os.getpid():  # none yet, or a forked child's copy (closed at fork)
+                fd = _open(self.root / "evict.lock", os.O_RDWR | os.O_CREAT)
+                held = self._eviction = (os.getpid(), fd, threading.Lock())
+                weakref.finalize(self, _close, fd)
+        _, fd, lock = held
+        with lock:
+            lock_file(fd)
+            try:
+                yield
+            finally:
+                unlock_file(fd)
 
     def obtain(self, sha256: str, size: int, fetch: Callable[[Path], None], inherited: bool = True) -> Pin:
         """A pin on the object ``sha256``, fetched first when it is not cached: by one process at a time (the
@@ -190,17 +229,18 @@ class Cache:
         pin = self.pin(sha256, inherited)
         if pin is not None:
             return pin
-        with self._locked(self.root / "locks" / f"{sha256}.lock"):
+        with self._locked(f"{self._locks}/{sha256}.lock"):
             pin = self.pin(sha256, inherited)
             if pin is not None:
                 return pin
-            tmp = self.root / "tmp" / f"{sha256}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            tmp = Path(f"{self._tmp}/{sha256}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
             fd = self._reserve(tmp, size)
             try:
                 fetch(tmp)
                 path = self.object_path(sha256)
-                with self._locked(self.root / "evict.lock"):  # eviction removes a prefix folder it empties
-                    path.parent.mkdir(exist_ok=True)
+                with self._eviction_locked():  # eviction removes a prefix folder it empties
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(path.parent)
                     os.replace(tmp, path)
                 lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
                 _touch(path)
@@ -214,7 +254,7 @@ class Cache:
     def _reserve(self, tmp: Path, size: int) -> int:
         """Make room for ``size`` bytes and reserve them with a locked temporary file of that size, so that
         downloads running at once in several processes together stay within the limit."""
-        with self._locked(self.root / "evict.lock"):
+        with self._eviction_locked():
             if self.limit is not None:
                 self._make_room(size)
             fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
@@ -223,30 +263,33 @@ class Cache:
         return fd
 
     def entries(self) -> list[tuple[float, int, Path]]:
-        """``(last use, bytes, path)`` of every cached object and download in progress. Scanned with
-        ``os.scandir`` (a directory's entries say what they are without a stat each): every fetch that needs room
-        scans the whole cache, under the eviction lock."""
+        """``(last use, bytes, path)`` of every cached object and download in progress."""
+        return [(used, size, Path(path)) for used, size, path in self._scan()]
+
+    def _scan(self) -> list[tuple[float, int, str]]:
+        """:meth:`entries`, the paths as strings. Scanned with ``os.scandir`` (a directory's entries say what they
+        are without a stat each): every fetch that needs room scans the whole cache, under the eviction lock."""
         found, folders = [], []
-        with contextlib.suppress(OSError), os.scandir(self.root / "objects") as prefixes:
+        with contextlib.suppress(OSError), os.scandir(self._objects) as prefixes:
             folders = [e.path for e in prefixes if e.is_dir(follow_symlinks=False)]
-        for folder in [*folders, os.fspath(self.root / "tmp")]:
+        for folder in [*folders, self._tmp]:
             with contextlib.suppress(OSError), os.scandir(folder) as files:
                 for entry in files:
                     with contextlib.suppress(OSError):
                         st = entry.stat(follow_symlinks=False)
                         if stat.S_ISREG(st.st_mode):
-                            found.append((st.st_atime, st.st_size, Path(entry.path)))
+                            found.append((st.st_atime, st.st_size, entry.path))
         return found
 
     def used(self) -> int:
         """Bytes the cache holds (objects and reserved downloads)."""
-        return sum(size for _, size, _ in self.entries())
+        return sum(size for _, size, _ in self._scan())
 
     def _make_room(self, size: int) -> None:
         if size > self.limit:  # no eviction can make room: not worth waiting for (not a CacheFull)
             raise RemoteError(f"{self.root}: cannot fit an object of {size:,} bytes within cache_limit "
                               f"{self.limit:,}; raise cache_limit above the dataset's largest file")
-        entries = sorted(self.entries())
+        entries = sorted(self._scan())
         total = sum(s for _, s, _ in entries)
         for _, bytes_, path in entries:
             if total + size <= self.limit:
@@ -258,11 +301,11 @@ class Cache:
                               f"{total:,} bytes are in use by open datasets or downloads; raise cache_limit, or "
                               "read with packer.stream, which holds one shard per worker")
 
-    def _evict(self, path: Path) -> bool:
+    def _evict(self, path: str) -> bool:
         """Delete one object (or abandoned download) that no process holds; False when one does."""
-        root = self.root.resolve()
-        parent = path.resolve().parent
-        if not (_is_regular(path) and (parent == root / "tmp" or parent.parent == root / "objects")):
+        parent = os.path.dirname(path)
+        in_objects = os.path.dirname(parent) == self._objects and _is_folder(parent)  # not a link to elsewhere
+        if not (_is_regular(path) and (parent == self._tmp or in_objects)):
             return False  # only regular files in objects/ab/ and tmp/: never anything outside the cache
         try:
             fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -277,10 +320,10 @@ class Cache:
             return False
         try:
             if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
-                path.unlink()
-                if parent != root / "tmp":  # an emptied prefix folder goes too: every fetch that needs room
-                    with contextlib.suppress(OSError):  # scans them all (under the eviction lock, as here)
-                        os.rmdir(path.parent)
+                os.unlink(path)
+                if in_objects:  # an emptied prefix folder goes too: every fetch that needs room scans them all
+                    with contextlib.suppress(OSError):  # (under the eviction lock, as here)
+                        os.rmdir(parent)
                 return True
             return False
         except OSError:
