@@ -114,7 +114,8 @@ def _failed(fs: Any, url: str, counted: bool = True) -> None:
 def presigned_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
     """Bytes ``[start, end)`` of the S3 object ``url`` (``s3://bucket/key``) through its presigned URL, or None
     when the GET did not answer exactly that range (the caller reads it through ``fs``). Call only where
-    :func:`can_presign`. Never reads more than the range (plus one byte) into memory."""
+    :func:`can_presign`. Never reads more than the range into memory: the body is read only once the answer's
+    Content-Length says it is the range's length."""
     try:
         signed = _presigned(fs, url)
     except Exception:  # noqa: BLE001 - s3fs raises its own kinds; the caller's read through s3fs reports them
@@ -128,9 +129,11 @@ def presigned_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
         _failed(fs, url, counted=False)
         return None
     data, counted = None, answer.status < 500  # a 5xx is transient; any other answer but the range is not
+    headers = answer.headers
     try:
-        if answer.status == 206 and answer.headers.get("Content-Range", "").startswith(f"bytes {start}-{end - 1}/"):
-            data = answer.read(want + 1)
+        if (answer.status == 206 and headers.get("Content-Length") == str(want)
+                and headers.get("Content-Range", "").startswith(f"bytes {start}-{end - 1}/")):
+            data = answer.read()  # Content-Length bytes, no more
     except Exception:  # noqa: BLE001 - a body cut short: transient
         data, counted = None, False
     if data is None or len(data) != want:
