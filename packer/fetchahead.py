@@ -4,9 +4,12 @@ While a loader's pass runs, a thread of the main process knows this rank's comin
 sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks that batches still
 need fetched and held (pinned in the cache): a batch needs its blocks until the caller has received it, or,
 with packer's worker pool, only until its worker has mapped them
-(:meth:`~packer.workers.WorkerPool.mapped_batches`), and each block goes once no batch needs it. It never holds
-more than ``ahead`` blocks, which the block size leaves room for. Up to ``FETCHERS`` of them are fetched at
-once, in the order they will be read, so that each request's latency overlaps the others' and the decoding.
+(:meth:`~packer.workers.WorkerPool.mapped_batches`), and each block goes once no batch needs it. Once every
+block of the pass is fetched or held, it fetches the blocks the next pass starts with (``then``: the next
+epoch's first batches, as the sampler will make them unless told otherwise) and holds them to the pass's end,
+so that the next epoch's first batches do not wait on requests. It never holds more than ``ahead`` blocks,
+which the block size leaves room for. Up to ``FETCHERS`` of them are fetched at once, in the order they will
+be read, so that each request's latency overlaps the others' and the decoding.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
 one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
 the caller drops the iterator, or when the loader starts another pass.
@@ -117,16 +120,18 @@ class FetchAhead:
         mapped: the first batches that no longer need their blocks in the cache (received, or their decoder has
             mapped every block they read: :meth:`packer.workers.WorkerPool.mapped_batches`; default: those
             received).
+        then: the next pass's first sample indices (called on the thread, once this pass's blocks are all
+            fetched or held); None: nothing beyond this pass.
     """
 
     def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int,
-                 mapped: Callable[[], int] | None = None):
+                 mapped: Callable[[], int] | None = None, then: Callable[[], list[int]] | None = None):
         self.order, self.last = block_plan(reader.block_of(indices), batch_size)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
                                        args=(reader.hold_block, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
-                                             max(0, ahead), self.stop_event))
+                                             max(0, ahead), self.stop_event, _next_blocks(reader, then)))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -138,7 +143,8 @@ class FetchAhead:
 
     @staticmethod
     def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
-             mapped: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event) -> None:
+             mapped: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event,
+             then: Callable[[], np.ndarray] | None) -> None:
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
         fetchers = _Fetchers(hold, min(FETCHERS, ahead), stop)
         passed = 0  # no batch needs the blocks of ``order`` before this one
@@ -160,6 +166,11 @@ class FetchAhead:
                     if last[k] >= frontier and k not in held and not fetchers.has(k):
                         fetchers.start(k, int(order[k]))
                     k += 1
+                if then is not None and k >= len(order):  # the pass's blocks are all fetched or held
+                    following = then()
+                    order = np.concatenate([order, following])
+                    last = np.concatenate([last, np.full(len(following), np.iinfo(np.int64).max)])  # to the end
+                    then = None
                 stop.wait(POLL)
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
@@ -170,6 +181,13 @@ class FetchAhead:
                     release()
             for release in held.values():
                 release()
+
+
+def _next_blocks(reader: Any, then: Callable[[], list[int]] | None) -> Callable[[], np.ndarray] | None:
+    """The blocks of the next pass's first samples, in the order they are first read, as a call for the thread."""
+    if then is None:
+        return None
+    return lambda: block_plan(reader.block_of(then()), 1)[0]
 
 
 class _Fetchers:

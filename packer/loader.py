@@ -184,9 +184,11 @@ class PrefetchLoader(DataLoader):
         reader = blocked_reader(self.dataset)
         if reader is not None and epoch_pass.per_rank:  # started after any worker forked: they hold none of it
             ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
-            pool = self._worker_pool
+            pool, following = self._worker_pool, epoch_pass.following()
+            first = self.batch_size * max(1, self.num_workers)  # the next epoch's first batch in each decoder
             self._fetching = FetchAhead(reader, epoch_pass.indices(), self.batch_size, self._received, counting,
-                                        ahead, pool.mapped_batches if pool is not None else None)
+                                        ahead, pool.mapped_batches if pool is not None else None,
+                                        lambda: following.indices()[:first])
         return counting
 
     def _restart_untouched(self, sampler: ResumableSampler) -> None:

@@ -10,7 +10,7 @@ ranks, with no ``set_epoch`` call to forward to workers.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,10 @@ class EpochPass:
             return order[deal_steps(place, self.start, self.per_rank, self.batch_size, self.world, self.rank)].tolist()
         positions = torch.arange(self.per_rank) * self.world + (self.start + self.rank)
         return self.order()[positions % self.length].tolist()
+
+    def following(self) -> EpochPass:
+        """The pass after this one when nothing sets another epoch or state: the next epoch, from its start."""
+        return replace(self, epoch=self.epoch + 1, start=0)
 
     def state(self, taken: int) -> dict[str, Any]:
         """The state after each rank has taken ``taken`` samples of this pass. A finished pass is the start of the

@@ -372,6 +372,28 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves
 
 
+def test_the_next_epochs_first_blocks_are_fetched_before_it_starts(packs, server, truth, tmp_path):
+    """Once the pass's own blocks are fetched, the thread fetches those of the next epoch's first batch in each
+    worker (as the sampler will make it): the next epoch does not start by waiting on requests."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True, seed=4)
+    batches = len(loader)
+    for step, _ in enumerate(loader):
+        if step == batches - 2:
+            time.sleep(1.0)  # a slow step near the end: the thread has long reached the next epoch's blocks
+    upcoming = loader.sampler.next_pass().indices()[: BATCH * WORKERS]
+    cache, store = Cache(tmp_path / "cache"), ds.reader.store
+    names = []
+    for block in np.unique(ds.reader.block_of(upcoming)):
+        relpath, start, end = ds.reader.block_range(int(block))
+        entry = store.entries[relpath]
+        names.append(range_name(entry["sha256"], start, end, int(entry["bytes"])))
+    assert names and all(cache.object_path(name).exists() for name in names)
+    assert fetch_ahead_threads() == []  # and released with the pass
+    assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+
+
 def test_the_thread_fetches_several_blocks_at_once_behind_a_slow_link(packs, server, truth, tmp_path):
     """Each block's request latency overlaps the others': with one reading thread (no worker processes) more
     than two requests in flight at once can only be the fetch-ahead thread's."""
