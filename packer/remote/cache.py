@@ -96,7 +96,7 @@ def _close_inherited() -> None:
 os.register_at_fork(after_in_child=_close_inherited)
 
 
-def _open(path: Path, flags: int, mode: int = 0o644) -> int:
+def _open(path: str | Path, flags: int, mode: int = 0o644) -> int:
     """``os.open``, the descriptor closed in a child forked while it is open (see :func:`_close`)."""
     fd = os.open(path, flags, mode)
     _NOT_INHERITED[fd] = os.getpid()
