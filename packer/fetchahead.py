@@ -167,7 +167,10 @@ class FetchAhead:
                         fetchers.start(k, int(order[k]))
                     k += 1
                 if then is not None and k >= len(order):  # the pass's blocks are all fetched or held
-                    following = then()
+                    try:
+                        following = then()
+                    except Exception:  # noqa: BLE001 - the next pass fetches its own blocks; this one goes on
+                        following = np.zeros(0, np.int64)
                     order = np.concatenate([order, following])
                     last = np.concatenate([last, np.full(len(following), np.iinfo(np.int64).max)])  # to the end
                     then = None
