@@ -262,13 +262,10 @@ class Cache:
             os.ftruncate(fd, size)
         return fd
 
-    def entries(self) -> list[tuple[float, int, Path]]:
-        """``(last use, bytes, path)`` of every cached object and download in progress."""
-        return [(used, size, Path(path)) for used, size, path in self._scan()]
-
-    def _scan(self) -> list[tuple[float, int, str]]:
-        """:meth:`entries`, the paths as strings. Scanned with ``os.scandir`` (a directory's entries say what they
-        are without a stat each): every fetch that needs room scans the whole cache, under the eviction lock."""
+    def entries(self) -> list[tuple[float, int, str]]:
+        """``(last use, bytes, path)`` of every cached object and download in progress. Scanned with
+        ``os.scandir`` (a directory's entries say what they are without a stat each): every fetch that needs room
+        scans the whole cache, under the eviction lock."""
         found, folders = [], []
         with contextlib.suppress(OSError), os.scandir(self._objects) as prefixes:
             folders = [e.path for e in prefixes if e.is_dir(follow_symlinks=False)]
@@ -283,13 +280,13 @@ class Cache:
 
     def used(self) -> int:
         """Bytes the cache holds (objects and reserved downloads)."""
-        return sum(size for _, size, _ in self._scan())
+        return sum(size for _, size, _ in self.entries())
 
     def _make_room(self, size: int) -> None:
         if size > self.limit:  # no eviction can make room: not worth waiting for (not a CacheFull)
             raise RemoteError(f"{self.root}: cannot fit an object of {size:,} bytes within cache_limit "
                               f"{self.limit:,}; raise cache_limit above the dataset's largest file")
-        entries = sorted(self._scan())
+        entries = sorted(self.entries())
         total = sum(s for _, s, _ in entries)
         for _, bytes_, path in entries:
             if total + size <= self.limit:
