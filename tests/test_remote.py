@@ -277,9 +277,11 @@ def test_threads_of_one_process_make_room_one_at_a_time(tmp_path):
     seen = []
 
     def fetch(path: Path) -> None:
-        seen.append(cache.used())  # every reservation made so far, this one included
+        with cache._eviction_locked():  # a scan is a snapshot only under the lock: one taken without it may see
+            seen.append(cache.used())  # a file evicted meanwhile and the reservation that replaced it
         time.sleep(0.01)
-        path.write_bytes(b"x" * 250)
+        with open(path, "r+b") as f:  # into the reservation, as packer's fetches write: "wb" would empty it first,
+            f.write(b"x" * 250)  # and a scan in between would count it as room
 
     def get(n: int) -> None:
         when_room(lambda: cache.obtain(hashlib.sha256(bytes([n])).hexdigest(), 250, fetch, inherited=False)).release()
