@@ -143,7 +143,8 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
     """Forwards every request to ``upstream`` (host, port). ``faults`` (a deque shared by the proxy) holds what
     the next GETs suffer: ``"500"``, ``"reset"`` (the connection closed with RST, nothing sent), ``"truncate"``
     (the upstream answer with half its body, then the connection closed), ``"stall"`` (nothing for 2 s, then
-    the connection closed) or ``"norange"`` (forwarded without its Range header: the whole object);
+    the connection closed), ``"norange"`` (forwarded without its Range header: the whole object) or ``"close"``
+    (the answer in full, then the kept-alive connection closed, unannounced);
     ``latency`` seconds are added to every request; ``most_in_flight`` counts the requests answered at once."""
 
     upstream: tuple[str, int]
@@ -199,7 +200,7 @@ class FaultProxy(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if fault == "truncate":
             self.send_header("Connection", "close")
-            self.close_connection = True
+        self.close_connection = fault in ("truncate", "close")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data[: len(data) // 2] if fault == "truncate" else data)

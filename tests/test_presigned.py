@@ -60,6 +60,22 @@ def test_a_failed_get_is_read_again_through_s3fs_and_keeps_the_path(proxied, fau
     assert presigned.can_presign(fs)  # a transient failure does not turn the path off
 
 
+@pytest.mark.parametrize("seen", [True, False])
+def test_a_connection_the_server_closed_is_not_a_failure(proxied, monkeypatch, seen):
+    """A server closes idle kept-alive connections when it likes: seen closed when taken, the connection is not
+    used; closed as it was taken (``seen=False``: not looked at), the GET goes once more on a new one. Either way
+    the range is signed GETs alone, and the path stays on."""
+    fs = fresh_fs(proxied, key="testing", secret="testing")
+    if not seen:
+        monkeypatch.setattr(presigned, "_dropped", lambda connection: False)
+    proxied.faults.append("close")
+    assert _cat(fs, "s3://bucket/blob", 0, 100) == BLOB[:100]  # answered in full; the proxy then closes
+    signed, unsigned = signed_gets(proxied), unsigned_gets(proxied)
+    assert _cat(fs, "s3://bucket/blob", 100, 20_100) == BLOB[100:20_100]
+    assert (signed_gets(proxied) - signed, unsigned_gets(proxied) - unsigned) == (1, 0)
+    assert presigned.can_presign(fs)
+
+
 def test_a_server_that_ignores_range_turns_the_path_off_after_a_few_answers(proxied):
     fs = fresh_fs(proxied, anon=False)
     for _ in range(presigned.FAILURES):

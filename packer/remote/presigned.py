@@ -1,11 +1,13 @@
-"""Ranged GETs of S3 objects through presigned URLs and a urllib3 connection pool: the cheap path for the many
-small ranges a dataset read a block at a time fetches.
+"""Ranged GETs of S3 objects through presigned URLs on kept-alive ``http.client`` connections: the cheap path for
+the many small ranges a dataset read a block at a time fetches.
 
 s3fs's own ranged read goes through aiobotocore (request signing, event hooks, response parsing) and hops to its
 event-loop thread and back: it costs a few times the CPU of a plain HTTP GET of the same range, spent in the
 process that also feeds the GPU (``benchmarks/peers/remote_peers.py`` measures the difference). Here an object's
 URL is presigned once by s3fs itself (``fs.url``: the same credentials, endpoint and addressing as its reads) and
-re-signed well before it expires; each range is then one GET on a pooled connection. (botocore presigns with
+re-signed well before it expires; each range is then one GET on a kept-alive connection of this process
+(``http.client`` itself: urllib3's pool, which botocore uses, parses and re-encodes the signed URL on every
+request and costs about half as much CPU again per GET). (botocore presigns with
 SigV2 in the regions that accept it, SigV4 elsewhere; a bucket that refuses the URL answers 403, and the reads
 go through s3fs.)
 
@@ -18,26 +20,33 @@ status other than 5xx) the path is off for that filesystem in that process.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import select
+import ssl
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 EXPIRES = 3600  # seconds a presigned URL is valid; re-signed after half of that
 FAILURES = 3  # failed GETs after which a filesystem's reads go through s3fs alone, in this process
 TIMEOUT = 60.0  # seconds to connect and between reads: botocore's defaults
+IDLE = 16  # kept-alive connections kept per server, per process
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 _PLAIN_OPTIONS = {"endpoint_url", "key", "secret", "token", "anon", "profile", "skip_instance_cache"}
 _PLAIN_CLIENT_KWARGS = {"endpoint_url", "region_name"}
 
 _LOCK = threading.Lock()
-# (the filesystem's options, url) -> (signed at, presigned URL): a forked DataLoader worker inherits them, and
-# reads those objects without making a filesystem of its own (aiobotocore's client costs a reader's first GET
-# about 0.1 s of CPU)
-_SIGNED: dict[tuple[str, str], tuple[float, str]] = {}
+# (the filesystem's options, url) -> (signed at, its server, its request target): a forked DataLoader worker
+# inherits them, and reads those objects without making a filesystem of its own (aiobotocore's client costs a
+# reader's first GET about 0.1 s of CPU)
+_SIGNED: dict[tuple[str, str], tuple[float, tuple[str, str, int], str]] = {}
 _FAILED: dict[tuple[int, str], int] = {}  # (pid, the filesystem's options) -> failed GETs
-_POOLS: dict[int, Any] = {}  # pid -> urllib3.PoolManager
+# (pid, (scheme, host, port)) -> idle kept-alive connections: a forked child never uses its parent's
+_IDLE: dict[tuple[int, tuple[str, str, int]], list[http.client.HTTPConnection]] = {}
+_TLS: dict[int, ssl.SSLContext] = {}  # pid -> the context HTTPS connections verify with
 
 
 def _new_lock() -> None:
@@ -55,7 +64,7 @@ def _options(fs: Any) -> str:
 
 def can_presign(fs: Any) -> bool:
     """Whether ranges of ``fs``'s objects may be read through presigned URLs: an S3 filesystem with plain options
-    (see the module's docstring), no proxy set, urllib3 importable and fewer than ``FAILURES`` failures so far."""
+    (see the module's docstring), no proxy set, and fewer than ``FAILURES`` failures so far."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if not {"s3", "s3a"} & set(protocols) or not callable(getattr(fs, "url", None)):
         return False
@@ -65,40 +74,90 @@ def can_presign(fs: Any) -> bool:
         return False
     if any(os.environ.get(name) for name in _PROXY_VARIABLES):
         return False
-    if _FAILED.get((os.getpid(), _options(fs)), 0) >= FAILURES:
-        return False
-    try:
-        import urllib3  # noqa: F401 - botocore's own dependency: present wherever s3fs is
-    except ImportError:
-        return False
-    return True
+    return _FAILED.get((os.getpid(), _options(fs)), 0) < FAILURES
 
 
-def _pool() -> Any:
-    import urllib3
-
+def _tls() -> ssl.SSLContext:
+    """The certificates HTTPS connections are verified with: botocore's (``AWS_CA_BUNDLE``, else its bundle)."""
     with _LOCK:
-        pool = _POOLS.get(os.getpid())
-        if pool is None:
+        context = _TLS.get(os.getpid())
+        if context is None:
             from botocore.httpsession import get_cert_path
 
             bundle = os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
-            pool = _POOLS[os.getpid()] = urllib3.PoolManager(
-                maxsize=16, cert_reqs="CERT_REQUIRED", ca_certs=bundle, retries=False,
-                timeout=urllib3.Timeout(connect=TIMEOUT, read=TIMEOUT))
-    return pool
+            context = _TLS[os.getpid()] = ssl.create_default_context(cafile=bundle)
+    return context
 
 
-def _presigned(fs: Any, url: str) -> str:
+def _dropped(connection: http.client.HTTPConnection) -> bool:
+    """Whether an idle kept-alive connection was closed (or sent something unasked): not to be reused."""
+    if connection.sock is None:
+        return False  # not connected: the next request connects
+    poll = select.poll()
+    poll.register(connection.sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+def _connection(server: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
+    """An idle connection to ``server`` of this process, or a new one; and whether it was used before."""
+    with _LOCK:
+        idle = _IDLE.get((os.getpid(), server), [])
+        while idle:
+            connection = idle.pop()
+            if not _dropped(connection):
+                return connection, connection.sock is not None
+            connection.close()
+    scheme, host, port = server
+    if scheme == "https":
+        return http.client.HTTPSConnection(host, port, timeout=TIMEOUT, context=_tls()), False
+    return http.client.HTTPConnection(host, port, timeout=TIMEOUT), False
+
+
+def _keep(server: tuple[str, str, int], connection: http.client.HTTPConnection) -> None:
+    with _LOCK:
+        idle = _IDLE.setdefault((os.getpid(), server), [])
+        if len(idle) < IDLE:
+            idle.append(connection)
+            return
+    connection.close()
+
+
+def _presigned(fs: Any, url: str) -> tuple[tuple[str, str, int], str]:
+    """``url``'s presigned URL: its server ``(scheme, host, port)`` and request target (path and query)."""
     key = (_options(fs), url)
     with _LOCK:
         found = _SIGNED.get(key)
     if found is not None and time.monotonic() - found[0] < EXPIRES / 2:
-        return found[1]
-    signed = fs.url(url, expires=EXPIRES)
+        return found[1], found[2]
+    split = urllib.parse.urlsplit(fs.url(url, expires=EXPIRES))
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ValueError(f"{url}: not an HTTP(S) presigned URL")
+    server = (split.scheme, split.hostname, split.port or (443 if split.scheme == "https" else 80))
+    target = split.path + (f"?{split.query}" if split.query else "")
     with _LOCK:
-        _SIGNED[key] = (time.monotonic(), signed)
-    return signed
+        _SIGNED[key] = (time.monotonic(), server, target)
+    return server, target
+
+
+def _get(server: tuple[str, str, int], target: str, headers: dict[str, str]
+         ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """One GET on a kept-alive connection; once more on a new one when a reused connection fails (the server
+    may have closed it as it was taken)."""
+    connection, reused = _connection(server)
+    try:
+        connection.request("GET", target, headers=headers)
+        return connection, connection.getresponse()
+    except (OSError, http.client.HTTPException):
+        connection.close()
+        if not reused:
+            raise
+    connection, _ = _connection(server)
+    try:
+        connection.request("GET", target, headers=headers)
+        return connection, connection.getresponse()
+    except BaseException:
+        connection.close()
+        raise
 
 
 def _failed(fs: Any, url: str, counted: bool = True) -> None:
@@ -117,29 +176,27 @@ def presigned_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
     :func:`can_presign`. Never reads more than the range into memory: the body is read only once the answer's
     Content-Length says it is the range's length."""
     try:
-        signed = _presigned(fs, url)
+        server, target = _presigned(fs, url)
     except Exception:  # noqa: BLE001 - s3fs raises its own kinds; the caller's read through s3fs reports them
         _failed(fs, url)
         return None
     want = end - start
     try:
-        answer = _pool().request("GET", signed, headers={"Range": f"bytes={start}-{end - 1}"},
-                                 preload_content=False, redirect=False)
-    except Exception:  # noqa: BLE001 - urllib3's connection and protocol errors: transient
+        connection, answer = _get(server, target, {"Range": f"bytes={start}-{end - 1}"})
+    except Exception:  # noqa: BLE001 - connection and protocol errors: transient
         _failed(fs, url, counted=False)
         return None
     data, counted = None, answer.status < 500  # a 5xx is transient; any other answer but the range is not
-    headers = answer.headers
     try:
-        if (answer.status == 206 and headers.get("Content-Length") == str(want)
-                and headers.get("Content-Range", "").startswith(f"bytes {start}-{end - 1}/")):
+        if (answer.status == 206 and answer.getheader("Content-Length") == str(want)
+                and (answer.getheader("Content-Range") or "").startswith(f"bytes {start}-{end - 1}/")):
             data = answer.read()  # Content-Length bytes, no more
     except Exception:  # noqa: BLE001 - a body cut short: transient
         data, counted = None, False
-    if data is None or len(data) != want:
-        answer.close()  # the connection's state is unknown: it is not reused
-        answer.release_conn()
+    if data is None or len(data) != want or not answer.isclosed():
+        answer.close()
+        connection.close()  # the connection's state is unknown: it is not reused
         _failed(fs, url, counted)
         return None
-    answer.release_conn()
+    _keep(server, connection)
     return data
