@@ -242,8 +242,7 @@ def test_eviction_is_lru_and_skips_pinned_files(tmp_path):
     get(3).release()  # evicts 2
     assert cache.pin(shas[2]) is None and cache.pin(shas[0]) is not None
     assert cache.used() <= 250 and outside.read_bytes() == b"x" * 1000
-    # an emptied prefix folder goes with its last object (every fetch that needs room scans them), and comes back
-    assert {p.name for p in (tmp_path / "cache" / "objects").iterdir()} == {shas[0][:2], shas[3][:2]}
+    assert {p.name for p in (tmp_path / "cache" / "objects").iterdir()} == {shas[0], shas[3]}  # one folder
     get(1).release()  # evicts 3
     assert cache.pin(shas[1]).path.read_bytes() == blobs[1] and cache.pin(shas[3]) is None
     with pytest.raises(RemoteError, match="cannot fit"):
@@ -268,6 +267,26 @@ def test_a_full_cache_waits_for_room_and_an_object_over_the_limit_fails_at_once(
     with pytest.raises(RemoteError, match="cannot fit an object of 200 bytes within cache_limit 150; raise") as error:
         when_room(lambda: cache.obtain("e" * 64, 200, lambda path: None))
     assert not isinstance(error.value, CacheFull) and time.monotonic() - started < 1
+
+
+def test_objects_of_the_older_layout_are_counted_and_evicted_not_read(tmp_path):
+    """A cache filled before objects lay in one folder (``objects/ab/<sha256>``): its objects count toward the
+    limit and go first when they are the least recently used (an emptied prefix folder with them); the object is
+    fetched again into the one folder. A file that is not an object is counted, never deleted."""
+    cache = Cache(tmp_path / "cache", limit=300)
+    old, new = hashlib.sha256(b"old").hexdigest(), hashlib.sha256(b"new").hexdigest()
+    (tmp_path / "cache" / "objects" / old[:2]).mkdir()
+    (tmp_path / "cache" / "objects" / old[:2] / old).write_bytes(b"o" * 100)
+    (tmp_path / "cache" / "objects" / "notes.txt").write_bytes(b"n" * 100)
+    assert cache.used() == 200 and cache.pin(old) is None  # counted, not read
+    cache.obtain(new, 150, lambda path: path.write_bytes(b"w" * 150)).release()  # 350 > 300: the old one goes
+    assert not (tmp_path / "cache" / "objects" / old[:2]).exists()
+    assert (tmp_path / "cache" / "objects" / "notes.txt").read_bytes() == b"n" * 100
+    pin = cache.pin(new)
+    assert cache.used() == 250 and pin.path == tmp_path.resolve() / "cache" / "objects" / new
+    pin.release()
+    cache.obtain(old, 100, lambda path: path.write_bytes(b"o" * 100)).release()  # the new one goes, not the note
+    assert sorted(p.name for p in (tmp_path / "cache" / "objects").iterdir()) == sorted([old, "notes.txt"])
 
 
 def test_threads_of_one_process_make_room_one_at_a_time(tmp_path):

@@ -3,10 +3,13 @@
 Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``~/.cache/packer``; its bound is
 ``cache_limit``, else ``PACKER_CACHE_LIMIT``, else none)::
 
-    objects/ab/<sha256>      data files, named by their content's sha256, and ranges of them (blocks, see
+    objects/<sha256>         data files, named by their content's sha256, and ranges of them (blocks, see
                              :mod:`.ranges`), named by the sha256 of ``"FILE_SHA256:START:END"``; each checked
                              (whole files against their sha256, ranges against their length) before it was
-                             renamed here; a prefix folder is removed when eviction empties it
+                             renamed here; one folder, since a block read makes an object and evicts another:
+                             prefix folders (``objects/ab/<sha256>``, the layout before; still counted and
+                             evicted, never read) cost a folder made and removed per block and one scanned per
+                             object at every fetch
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
     locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
@@ -165,7 +168,7 @@ class Cache:
     def object_path(self, sha256: str) -> Path:
         if not _SHA.fullmatch(sha256):
             raise ValueError(f"not a sha256: {sha256!r}")
-        return Path(f"{self._objects}/{sha256[:2]}/{sha256}")
+        return Path(f"{self._objects}/{sha256}")
 
     def view(self, url: str) -> Path:
         """The folder holding ``url``'s manifest and links to its cached files: ``views/s3/bucket/ds-<hash>``,
@@ -238,9 +241,7 @@ class Cache:
             try:
                 fetch(tmp)
                 path = self.object_path(sha256)
-                with self._eviction_locked():  # eviction removes a prefix folder it empties
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(path.parent)
+                with self._eviction_locked():  # a scan (under this lock) sees the reservation or the object, once
                     os.replace(tmp, path)
                 lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
                 _touch(path)
@@ -263,16 +264,19 @@ class Cache:
         return fd
 
     def entries(self) -> list[tuple[float, int, str]]:
-        """``(last use, bytes, path)`` of every cached object and download in progress. Scanned with
-        ``os.scandir`` (a directory's entries say what they are without a stat each): every fetch that needs room
-        scans the whole cache, under the eviction lock."""
-        found, folders = [], []
-        with contextlib.suppress(OSError), os.scandir(self._objects) as prefixes:
-            folders = [e.path for e in prefixes if e.is_dir(follow_symlinks=False)]
-        for folder in [*folders, self._tmp]:
-            with contextlib.suppress(OSError), os.scandir(folder) as files:
+        """``(last use, bytes, path)`` of every cached object and download in progress (and of the objects an
+        older layout keeps in prefix folders). Scanned with ``os.scandir`` (a directory's entries say what they
+        are without a stat each): every fetch that needs room scans the whole cache, under the eviction lock."""
+        found: list[tuple[float, int, str]] = []
+        folders = [self._objects, self._tmp]
+        while folders:
+            with contextlib.suppress(OSError), os.scandir(folders.pop()) as files:
                 for entry in files:
                     with contextlib.suppress(OSError):
+                        if entry.is_dir(follow_symlinks=False):
+                            if os.path.dirname(entry.path) == self._objects:  # an older layout's prefix folder
+                                folders.append(entry.path)
+                            continue
                         st = entry.stat(follow_symlinks=False)
                         if stat.S_ISREG(st.st_mode):
                             found.append((st.st_atime, st.st_size, entry.path))
@@ -301,9 +305,10 @@ class Cache:
     def _evict(self, path: str) -> bool:
         """Delete one object (or abandoned download) that no process holds; False when one does."""
         parent = os.path.dirname(path)
-        in_objects = os.path.dirname(parent) == self._objects and _is_folder(parent)  # not a link to elsewhere
-        if not (_is_regular(path) and (parent == self._tmp or in_objects)):
-            return False  # only regular files in objects/ab/ and tmp/: never anything outside the cache
+        in_prefix = os.path.dirname(parent) == self._objects and _is_folder(parent)  # not a link to elsewhere
+        in_objects = parent == self._objects or in_prefix
+        if not (_is_regular(path) and (parent == self._tmp or (in_objects and _SHA.fullmatch(os.path.basename(path))))):
+            return False  # only objects (in objects/, or an older layout's objects/ab/) and downloads in tmp/
         try:
             fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -318,8 +323,8 @@ class Cache:
         try:
             if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
                 os.unlink(path)
-                if in_objects:  # an emptied prefix folder goes too: every fetch that needs room scans them all
-                    with contextlib.suppress(OSError):  # (under the eviction lock, as here)
+                if in_prefix:  # an older layout's emptied prefix folder goes too (under the eviction lock)
+                    with contextlib.suppress(OSError):
                         os.rmdir(parent)
                 return True
             return False
