@@ -315,6 +315,9 @@ def test_a_damaged_local_block_says_to_verify_and_re_pack_naming_the_file(packs,
         ds[index]
     assert str(error.value) == (f"{path} sample {index}: checksum mismatch, the file's bytes are damaged; run "
                                 f"`packer verify {folder}` and re-pack")
+    with pytest.raises(CorruptDataError) as in_batch:  # read in a batch (a worker's read_many): the same words
+        ds.reader.read_many([0, index, 1])
+    assert str(in_batch.value) == str(error.value)
     last = len(ds) - 1  # a file cut short after it was opened: its last block is short
     os.truncate(path, int(layout.end[last]) - 1)
     with pytest.raises(CorruptDataError) as error:

@@ -197,9 +197,12 @@ class BlockedReader(Reader):
     def _range(self, index: int) -> memoryview:
         """Sample ``index``'s range bytes, from its block."""
         block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
-        data = self._block(block)
         offset = int(self.spans[block][1])
-        start, end = int(self.layout.start[index]) - offset, int(self.layout.end[index]) - offset
+        return self._cut(index, self._block(block), int(self.layout.start[index]) - offset,
+                         int(self.layout.end[index]) - offset)
+
+    def _cut(self, index: int, data: memoryview, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of sample ``index``'s block ``data``."""
         if end > len(data):
             fix = (f"the file is shorter than when the dataset was opened; run `packer verify {self.where}` and "
                    "re-pack" if self.local else "the cached block is damaged: delete the cache folder and retry")
@@ -219,7 +222,24 @@ class BlockedReader(Reader):
             reader.close_blocks()
 
     def read(self, index: int) -> Sample:
-        sample = self.format_class.ranged_sample(index, self._range(index), self.layout, self.where)
+        return self._checked(index, self._range(index))
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        """:meth:`read` of a batch: its blocks and ranges looked up at once."""
+        if not len(indices):
+            return []
+        at = np.asarray(indices, dtype=np.int64)
+        blocks = np.searchsorted(self.starts, at, side="right") - 1
+        offsets = self.spans[blocks, 1]
+        starts, ends = (self.layout.start[at] - offsets).tolist(), (self.layout.end[at] - offsets).tolist()
+        blocks_list = blocks.tolist()
+        data = {block: self._block(block) for block in dict.fromkeys(blocks_list)}
+        return [self._checked(index, self._cut(index, data[block], start, end))
+                for index, block, start, end in zip(indices, blocks_list, starts, ends, strict=True)]
+
+    def _checked(self, index: int, data: memoryview) -> Sample:
+        """Sample ``index`` parsed from its range ``data``, its crc32 and label checked."""
+        sample = self.format_class.ranged_sample(index, data, self.layout, self.where)
         if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
             what, fix = ("the file's", "re-pack") if self.local else ("the fetched", "re-pack or re-upload")
             raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, {what} bytes are damaged; run "

@@ -12,6 +12,7 @@ time moves (``open_dataset(URL, cache_limit=...)`` below the dataset's size).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -106,11 +107,14 @@ class RemoteSource:
         return int(self._entry(relpath)["bytes"])
 
 
-def _mapped(path: Path) -> memoryview:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+def _mapped(path: str | Path) -> memoryview:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size == 0:
             return memoryview(b"")
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        return memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
 
 
 class RemoteBlocks:
@@ -160,13 +164,16 @@ class RemoteBlocks:
 
     def open(self, relpath: str, start: int, end: int) -> memoryview:
         """Block ``[start, end)`` of ``relpath``, fetched first when it is not cached (waiting for room as
-        :meth:`hold` does): a read-only map of the cached object, pinned only while it is mapped. The map stays
-        valid for as long as it is referenced, even once the object is evicted (cached objects never change), so
-        a reader keeps a few blocks mapped without keeping them in the cache's count: what it holds beyond the
-        cache is bounded by the blocks it keeps."""
+        :meth:`hold` does): a read-only map of the cached object. The map stays valid for as long as it is
+        referenced, even once the object is evicted (cached objects never change, and one is only ever renamed
+        into place whole), so a reader keeps a few blocks mapped without keeping them in the cache's count: what it
+        holds beyond the cache is bounded by the blocks it keeps."""
         if end <= start:
             return memoryview(b"")
-        pin = self._pin(relpath, start, end, True)
+        entry = self.entries[relpath]
+        with contextlib.suppress(FileNotFoundError):  # cached (by the fetch-ahead, mostly): mapped without a pin,
+            return _mapped(self.cache.object_path(range_name(entry["sha256"], start, end, int(entry["bytes"]))))
+        pin = self._pin(relpath, start, end, True)  # which keeps it from eviction only until it is mapped
         try:
             return _mapped(pin.path)
         except OSError as exc:
