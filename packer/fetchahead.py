@@ -1,15 +1,15 @@
 """Fetch ahead, release behind, for a dataset read a block at a time (a URL larger than the local cache).
 
 While a loader's pass runs, a thread of the main process knows this rank's coming blocks (from the pass's
-sample order, the same positions the batches come from) and keeps the next ``ahead`` blocks that batches still
-need fetched and held (pinned in the cache): a batch needs its blocks until the caller has received it, or,
-with packer's worker pool, only until its worker has mapped them
+sample order, the same positions the batches come from) and keeps the next blocks that batches still need
+fetched and held (pinned in the cache), as many as fit in ``ahead`` of the largest blocks' bytes (a file's
+last block is often short: a WebDataset shard's tail), which the block size leaves room for: a batch needs its
+blocks until the caller has received it, or, with packer's worker pool, only until its worker has mapped them
 (:meth:`~packer.workers.WorkerPool.mapped_batches`), and each block goes once no batch needs it. Once every
 block of the pass is fetched or held, it fetches the blocks the next pass starts with (``then``: the next
 epoch's first batches, as the sampler will make them unless told otherwise) and holds them to the pass's end,
-so that the next epoch's first batches do not wait on requests. It never holds more than ``ahead`` blocks,
-which the block size leaves room for. Up to ``FETCHERS`` of them are fetched at once, in the order they will
-be read, so that each request's latency overlaps the others' and the decoding.
+so that the next epoch's first batches do not wait on requests. Up to ``FETCHERS`` of them are fetched at
+once, in the order they will be read, so that each request's latency overlaps the others' and the decoding.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
 one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
 the caller drops the iterator, or when the loader starts another pass.
@@ -106,17 +106,18 @@ def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndar
 
 
 class FetchAhead:
-    """The thread that keeps the next ``ahead`` blocks that batches still need fetched, and releases each once
+    """The thread that keeps the next blocks that batches still need fetched (``ahead`` of the largest blocks'
+    bytes), and releases each once
     none does (``progress.received``, or ``mapped()``), for one pass (``indices``: this rank's samples, in
     order).
 
     Args:
-        reader: the blocked reader (``block_of``, ``hold_block``).
+        reader: the blocked reader (``block_of``, ``block_bytes``, ``hold_block``).
         indices: the pass's sample indices on this rank, in order.
         batch_size: samples per batch.
         progress: the pass's :class:`~packer.state.Progress` (batches received so far).
         owner: the iterator the caller holds: when it is garbage-collected, the thread stops.
-        ahead: how many blocks to hold at most.
+        ahead: how many of the largest blocks' bytes to hold at most.
         mapped: the first batches that no longer need their blocks in the cache (received, or their decoder has
             mapped every block they read: :meth:`packer.workers.WorkerPool.mapped_batches`; default: those
             received).
@@ -127,11 +128,14 @@ class FetchAhead:
     def __init__(self, reader: Any, indices: list[int], batch_size: int, progress: Any, owner: Any, ahead: int,
                  mapped: Callable[[], int] | None = None, then: Callable[[], list[int]] | None = None):
         self.order, self.last = block_plan(reader.block_of(indices), batch_size)
+        sizes = np.asarray(reader.block_bytes(), dtype=np.int64)
+        budget = max(0, ahead) * int(sizes.max(initial=0))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
                                        args=(reader.hold_block, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
-                                             max(0, ahead), self.stop_event, _next_blocks(reader, then)))
+                                             (min(FETCHERS, max(0, ahead)), sizes, budget), self.stop_event,
+                                             _next_blocks(reader, then)))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -143,10 +147,11 @@ class FetchAhead:
 
     @staticmethod
     def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
-             mapped: Callable[[], int], owner: weakref.ref, ahead: int, stop: threading.Event,
-             then: Callable[[], np.ndarray] | None) -> None:
+             mapped: Callable[[], int], owner: weakref.ref, limits: tuple[int, np.ndarray, int],
+             stop: threading.Event, then: Callable[[], np.ndarray] | None) -> None:
+        threads, sizes, budget = limits  # fetch threads; each block's bytes; the bytes held and fetched at most
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
-        fetchers = _Fetchers(hold, min(FETCHERS, ahead), stop)
+        fetchers = _Fetchers(hold, threads, stop)
         passed = 0  # no batch needs the blocks of ``order`` before this one
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
@@ -162,8 +167,12 @@ class FetchAhead:
                 while passed < len(order) and last[passed] < frontier:
                     passed += 1
                 k = passed
-                while room and len(held) + fetchers.busy() < ahead and fetchers.idle() and k < len(order):
+                pinned = int(sum(sizes[order[j]] for j in (*held, *fetchers.running)))
+                while room and fetchers.idle() and k < len(order):
                     if last[k] >= frontier and k not in held and not fetchers.has(k):
+                        if pinned + sizes[order[k]] > budget:
+                            break
+                        pinned += int(sizes[order[k]])
                         fetchers.start(k, int(order[k]))
                     k += 1
                 if then is not None and k >= len(order):  # the pass's blocks are all fetched or held

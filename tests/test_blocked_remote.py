@@ -348,6 +348,45 @@ def test_block_plan_orders_blocks_by_first_read_with_their_last_batch():
     assert order.tolist() == [0, 1, 2] and last.tolist() == [1, 3, 2]
 
 
+class _SizedBlocks:
+    """A blocked reader's fetch-ahead interface over blocks of given sizes, one sample each; records the bytes
+    held at once."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.held, self.most, self.lock = np.array(sizes), set(), 0, threading.Lock()
+
+    def block_of(self, indices):
+        return np.asarray(indices)
+
+    def block_bytes(self):
+        return self.sizes
+
+    def hold_block(self, block: int, wait: bool = False):
+        with self.lock:
+            self.held.add(block)
+            self.most = max(self.most, int(self.sizes[list(self.held)].sum()))
+        return lambda: self.held.discard(block)
+
+
+def test_the_fetch_ahead_holds_the_bytes_of_ahead_blocks_more_of_them_where_they_are_short():
+    """Shard tails make short blocks: the fetch-ahead counts bytes, so a run of them is held further ahead, and
+    never more than ``ahead`` of the largest blocks take."""
+    from packer.fetchahead import FetchAhead
+    from packer.state import Progress
+
+    reader = _SizedBlocks([100, 10, 10, 10, 10, 100, 100, 10])
+    progress = Progress(None, 8)  # nothing received: every block is still needed
+    owner = _SizedBlocks([])  # the iterator the caller holds: anything weakly referenced
+    fetching = FetchAhead(reader, list(range(8)), 1, progress, owner, ahead=2)
+    deadline = time.monotonic() + 10
+    while len(reader.held) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # nothing more comes: the next block would pass 2 x 100 bytes
+    assert sorted(reader.held) == [0, 1, 2, 3, 4] and reader.most == 140
+    fetching.stop()
+    assert reader.held == set()  # released as it stopped
+
+
 def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(packs, server, truth, tmp_path):
     fmt = next((f for f in FORMATS if ranged(f)), None)
     if fmt is None:

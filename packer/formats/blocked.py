@@ -166,6 +166,10 @@ class BlockedReader(Reader):
         file, start, end = (int(v) for v in self.spans[block])
         return self.layout.files[file], start, end
 
+    def block_bytes(self) -> np.ndarray:
+        """Each block's bytes (its range's length)."""
+        return self.spans[:, 2] - self.spans[:, 1]
+
     def hold_block(self, block: int, wait: bool = False) -> Callable[[], None] | None:
         """Fetch block ``block`` ahead and keep it until the returned call (None: no room now)."""
         return self.store.hold(*self.block_range(block), wait=wait)
