@@ -150,7 +150,7 @@ class PrefetchLoader(DataLoader):
                  worker_pool: dict[str, Any] | None = None, plan: LoaderPlan | None = None,
                  fetch_ahead: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fetch_ahead = fetch_ahead  # blocks fetched ahead, for a dataset read a block at a time
+        self.fetch_ahead = fetch_ahead  # blocks' worth of bytes fetched ahead (a dataset read a block at a time)
         self._fetching: FetchAhead | None = None  # the latest pass's fetch-ahead thread
         self.plan = plan  # how make_loader chose to read (engine, workers, threads...) and why; None otherwise
         self.prefetch_batches = prefetch_batches
@@ -421,8 +421,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         block_bytes: with ``shuffle="blocks"``, the size of an LMDB or HDF5 block (an int, or "64MB"). A URL
             larger than its cache_limit is read in the blocks ``open_dataset`` sized for the cache instead, and
             ``shuffle=True`` reads it as ``"blocks"`` (said once on stderr).
-        fetch_ahead: for a URL larger than its cache_limit, the blocks a thread keeps fetched ahead of the
-            batches received (default: what the cache budget allows, see ``open_dataset``).
+        fetch_ahead: for a URL larger than its cache_limit, how many blocks' worth of bytes (of its largest
+            block) a thread keeps fetched ahead of the batches: more blocks where they are short, such as a
+            shard's last one (default: what the cache budget allows, see ``open_dataset``).
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
     Raises:
