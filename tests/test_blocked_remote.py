@@ -32,6 +32,7 @@ import packer
 from packer.errors import CorruptDataError, RemoteError
 from packer.fetchahead import block_plan
 from packer.formats import Reader, get_format
+from packer.formats.blocked import block_budget
 from packer.formats.layout import LocalSource
 from packer.remote.cache import Cache
 from packer.remote.fetch import STATS
@@ -409,6 +410,32 @@ def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(pa
     before = STATS["requests"]
     assert sorted(seen_indices(quiet, truth[fmt])) == list(range(COUNT))
     assert STATS["requests"] == before  # nothing fetched ahead: the workers fetched every block themselves
+
+
+def test_a_full_fetch_ahead_leaves_room_for_a_block_a_worker_fetches_itself(packs, server, tmp_path):
+    """The blocks are cut so that the most the fetch-ahead may hold (``fetch_ahead`` of the largest blocks) and
+    one more fit the cache: a worker needing a block no one fetched gets it without waiting for room."""
+    for limit, ranks in [(62_976, 1), (10**8 + 7, 1), (10**8 + 7, 2), (999, 3)]:  # below BLOCK_CAP
+        block, most = block_budget(limit, ranks=ranks)
+        assert ranks * most * block + block <= limit and block > limit // (ranks * most + 2)
+    fmt = next(f for f in FORMATS if ranged(f))
+    limit = data_bytes(packs, fmt) // 8
+    reader = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", limit).reader
+    sizes = reader.block_bytes()
+    largest, budget, ahead = np.argsort(sizes, kind="stable")[::-1].tolist(), reader.fetch_ahead * sizes.max(), 0
+    while sizes[largest[: ahead + 1]].sum() <= budget:  # the fetch-ahead's bytes at most, in its largest blocks
+        ahead += 1
+    other = largest[ahead]
+    held = [reader.hold_block(b, wait=False) for b in largest[:ahead]]
+    try:
+        assert all(release is not None for release in held)
+        mine = reader.hold_block(other, wait=False)  # a worker's own fetch, as RemoteBlocks.open makes it
+        assert mine is not None and Cache(tmp_path / "cache").used() <= limit
+        mine()
+    finally:
+        for release in held:
+            if release is not None:
+                release()
 
 
 def test_the_next_epochs_first_blocks_are_fetched_before_it_starts(packs, server, truth, tmp_path):

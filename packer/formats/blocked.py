@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CorruptDataError, UsageError
-from ..system import usable_cores
 from .base import Reader, Sample
 from .layout import LAYOUT_VERSION, Layout, RangeSource, span_blocks
 from .parts import dataset_layout
@@ -59,24 +58,26 @@ class BlockedSource(Protocol):
     def layout_path(self, version: int) -> Path: ...
 
 
-def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = None, workers: int | None = None,
+def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = None,
                  ranks: int | None = None) -> tuple[int, int]:
     """The block size for a cache of ``limit`` bytes, and the blocks each rank's loader fetches ahead.
 
     The rule: what may be pinned at once fits the cache: each rank's ``fetch_ahead`` blocks (default three
     windows: the one being read, the next, which the batches in flight reach into, and one fetched while those
     are decoded; two left the decoders waiting on fetches, four cut more and smaller blocks, whose requests
-    cost more CPU than the waits saved), one block per worker process (``workers``, default the node's usable
-    cores: a block is pinned while a worker fetches and maps it) and one more, so ``block = limit // (ranks *
-    fetch_ahead + workers + 1)``, at most ``BLOCK_CAP`` (``ranks``: the node's, ``LOCAL_WORLD_SIZE``, default
-    1). Each process also keeps at least ``KEEP_BLOCKS`` blocks mapped (a worker of packer's pool: every block
-    of the batch it decodes), which may outlive their place in the cache (evicted, still mapped).
+    cost more CPU than the waits saved) and one more, room for a block that a worker fetches itself (one the
+    fetch-ahead has not fetched or is not fetching: workers that need several take that room in turn), so
+    ``block = limit // (ranks * fetch_ahead + 1)``, at most ``BLOCK_CAP`` (``ranks``: the node's,
+    ``LOCAL_WORLD_SIZE``, default 1). A worker maps a block the fetch-ahead holds without pinning it, so it
+    needs no room of its own for those; a block per worker on top cut smaller blocks, whose requests cost more
+    CPU, for room that stayed unused. Each process also keeps at least ``KEEP_BLOCKS`` blocks mapped (a worker
+    of packer's pool: every block of the batch it decodes), which may outlive their place in the cache
+    (evicted, still mapped).
     """
     fetch_ahead = 3 * window if fetch_ahead is None else fetch_ahead
-    workers = usable_cores() if workers is None else workers
     if ranks is None:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
-    pinned = max(1, ranks) * fetch_ahead + workers + 1
+    pinned = max(1, ranks) * fetch_ahead + 1
     return max(1, min(BLOCK_CAP, limit // pinned)), fetch_ahead
 
 
