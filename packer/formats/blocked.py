@@ -70,7 +70,7 @@ def block_budget(limit: int, window: int = WINDOW, fetch_ahead: int | None = Non
     ``block = limit // (ranks * fetch_ahead + 1)``, at most ``BLOCK_CAP`` (``ranks``: the node's,
     ``LOCAL_WORLD_SIZE``, default 1). A worker maps a block the fetch-ahead holds without pinning it, so it
     needs no room of its own for those; a block per worker on top cut smaller blocks, whose requests cost more
-    CPU, for room that stayed unused. Each process also keeps at least ``KEEP_BLOCKS`` blocks mapped (a worker
+    CPU than that room saved. Each process also keeps at least ``KEEP_BLOCKS`` blocks mapped (a worker
     of packer's pool: every block of the batch it decodes), which may outlive their place in the cache
     (evicted, still mapped).
     """
