@@ -107,9 +107,8 @@ def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndar
 
 class FetchAhead:
     """The thread that keeps the next blocks that batches still need fetched (``ahead`` of the largest blocks'
-    bytes), and releases each once
-    none does (``progress.received``, or ``mapped()``), for one pass (``indices``: this rank's samples, in
-    order).
+    bytes), and releases each once none does (``progress.received``, or ``mapped()``), for one pass
+    (``indices``: this rank's samples, in order).
 
     Args:
         reader: the blocked reader (``block_of``, ``block_bytes``, ``hold_block``).

@@ -200,7 +200,8 @@ class BlockedReader(Reader):
             self._block(block)
 
     def _range(self, index: int) -> memoryview:
-        """Sample ``index``'s range bytes, from its block."""
+        """Sample ``index``'s range bytes, from its block: one sample's lookup without the arrays of
+        :meth:`read_many`'s, which cost a per-sample read (a map-style ``__getitem__``) a noticeable share."""
         block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
         offset = int(self.spans[block][1])
         return self._cut(index, self._block(block), int(self.layout.start[index]) - offset,
@@ -234,7 +235,7 @@ class BlockedReader(Reader):
         if not len(indices):
             return []
         at = np.asarray(indices, dtype=np.int64)
-        blocks = np.searchsorted(self.starts, at, side="right") - 1
+        blocks = self.block_of(at)
         offsets = self.spans[blocks, 1]
         starts, ends = (self.layout.start[at] - offsets).tolist(), (self.layout.end[at] - offsets).tolist()
         blocks_list = blocks.tolist()
