@@ -6,9 +6,10 @@ answers from the files with ``sendfile``; or ``--server moto``: the tests' ``S3S
 by reading only its range as S3 does (``s3_ranges.py``), behind the tests' latency proxy ``fault_proxy``), with
 ``--latency-ms`` added to every request, read from ``s3://`` through each tool's own cache bounded to
 ``--cache-fraction`` (1/8) of that tool's copy, with RandomResizedCrop 224 + horizontal flip, batch 64, 2 worker
-processes. Each row is one fresh process reading ``--epochs`` (2) epochs
-with an empty cache; the same packer dataset read from local files with a warm page cache is the reference
-every row's epoch-2 images/s is divided by. Each row also scores its order's shuffle quality: packer's
+processes. Each read is one fresh process reading ``--epochs`` (2) epochs with an empty cache; every row is
+read once a round, for ``--repeats`` (3) rounds (medians), so that a drift of the machine's speed moves the
+reference and the rows alike. The same packer dataset read from local files with a warm page cache is the
+reference every row's epoch-2 images/s is divided by. Each row also scores its order's shuffle quality: packer's
 ``batch_mixing`` (mean total-variation distance between each batch's label histogram and the dataset's; 0 is
 perfect) of the labels the loader yielded in epoch 1, and the CPU seconds its read took in the reading
 processes and in the server (the server shares the machine's cores, where an object store would not: moto and
@@ -276,50 +277,61 @@ def read_once(tool: str, python: str, url: str, limit: int, args: argparse.Names
     return out
 
 
-def measure(name: str, copy: dict[str, Any], url: str, limit: int, args: argparse.Namespace,
-            env: dict[str, str], proxy: Any, block: int) -> dict[str, Any]:
-    """``--repeats`` reads of one row; medians (images/s also min and max), the largest cache seen. A read that
-    fails is counted (``failures``, their messages) and the medians are over the others; a row none of whose
-    reads finished gets ``error``. A timeout ends the row."""
-    from packer.bench.shuffle_quality import batch_mixing
+class Row:
+    """One row of the table: its reads (one per round, see :func:`main`) and what they gave."""
 
-    tool = copy["tool"]
-    python = copy.get("python", sys.executable)
-    row: dict[str, Any] = {"row": name, "tool": tool, "format": copy["format"], "url": url, "cache_limit": limit,
-                           "bytes": copy["bytes"]}
-    runs: list[dict[str, Any]] = []
-    failures: list[str] = []
-    for repeat in range(args.repeats):
-        print(f"[{name}] read {repeat + 1}/{args.repeats} from {url}", file=sys.stderr, flush=True)
-        if "://" not in url:
-            warm_files(Path(url))
+    def __init__(self, name: str, copy: dict[str, Any], url: str, limit: int, env: dict[str, str], block: int):
+        self.name, self.copy, self.url, self.limit, self.env, self.block = name, copy, url, limit, env, block
+        self.runs: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.timed_out = False
+        self.versions: dict[str, str] = {}
+        self.labels_sorted: list[int] = []
+
+    def read(self, args: argparse.Namespace, proxy: Any, repeat: int) -> None:
+        """One read of the row (none once a read timed out): its timings, cache, GETs, CPU and mixing, or its
+        failure."""
+        from packer.bench.shuffle_quality import batch_mixing
+
+        if self.timed_out:
+            return
+        print(f"[{self.name}] read {repeat + 1}/{args.repeats} from {self.url}", file=sys.stderr, flush=True)
+        if "://" not in self.url:
+            warm_files(Path(self.url))
         try:
-            out = read_once(tool, python, url, limit, args, env, proxy, block)
+            out = read_once(self.copy["tool"], self.copy.get("python", sys.executable), self.url, self.limit, args,
+                            self.env, proxy if "://" in self.url else None, self.block)
         except RuntimeError as exc:
-            failures.append(str(exc))
-            if "timeout" in str(exc):
-                break
-            continue
+            self.failures.append(str(exc))
+            self.timed_out = "timeout" in str(exc)
+            return
         run = {f"epoch{i}_sps": e["samples_per_s"] for i, e in enumerate(out["epochs"], 1)}
         run.update({f"epoch{i}_samples": e["samples"] for i, e in enumerate(out["epochs"], 1)},
                    first_batch_s=out["epochs"][0]["first_batch_s"], peak_cache=out["peak_cache"],
                    gets=out["gets"], mixing=batch_mixing(out["labels"][0], args.batch_size),
                    server_cpu=out["server_cpu"], reader_cpu=out["reader_cpu"])
-        runs.append(run)
-        row["versions"] = out.get("versions", {})
-        row["labels_sorted"] = sorted(out["labels"][0])  # the stored (class) order, for the reference rows
-    if failures:
-        row["failures"] = failures
-    if not runs:
-        row["error"] = failures[0]
+        self.runs.append(run)
+        self.versions = out.get("versions", {})
+        self.labels_sorted = sorted(out["labels"][0])  # the stored (class) order, for the reference rows
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over the reads that finished (images/s also min and max), the largest cache seen; the
+        failures counted (``failures``, their messages); ``error`` when no read finished."""
+        row: dict[str, Any] = {"row": self.name, "tool": self.copy["tool"], "format": self.copy["format"],
+                               "url": self.url, "cache_limit": self.limit, "bytes": self.copy["bytes"],
+                               "versions": self.versions}
+        if self.failures:
+            row["failures"] = self.failures
+        if not self.runs:
+            row["error"] = self.failures[0] if self.failures else "not read"
+            return row
+        for key in self.runs[0]:
+            values = [r[key] for r in self.runs]
+            row[key] = max(values) if key == "peak_cache" else statistics.median(values)
+            if key.endswith("_sps"):
+                row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
+        row.update(runs=self.runs, repeats=len(self.runs) + len(self.failures))
         return row
-    for key in runs[0]:
-        values = [r[key] for r in runs]
-        row[key] = max(values) if key == "peak_cache" else statistics.median(values)
-        if key.endswith("_sps"):
-            row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
-    row.update(runs=runs, repeats=len(runs) + len(failures))
-    return row
 
 
 def warm_files(root: Path) -> None:
@@ -496,29 +508,34 @@ def main(argv: list[str] | None = None) -> int:
         first = copies[f"packer {args.packer_formats[0]}"]
         block = max(1, first["bytes"] // args.blocks)
         results["first_format"] = args.packer_formats[0]
-        rows = [(f"{name} local", copy, str(copy["path"]), 0) for name, copy in copies.items()
-                if copy["tool"] == "packer"]
-        rows += [(name, copy, copy.get("url", ""), int(copy.get("bytes", 0) * args.cache_fraction))
-                 for name, copy in copies.items() if copy["tool"] in args.tools]
-        for name, copy, url, limit in rows:
-            if "error" in copy:
-                results["rows"].append({"row": name, "tool": copy["tool"], "error": copy["error"]})
-                continue
-            row = measure(name, copy, url, limit, args, {**env, **tool_env(copy["tool"], results["images"], args)},
-                          server if "://" in url else None, block if copy["tool"] == "packer" else 0)
-            results["rows"].append(row)
-            if name.endswith(" local") and "error" not in row:
-                results.setdefault("local_sps", {})[copy["format"]] = row["epoch2_sps"]
-                if "reference" not in results:
-                    results["reference"] = reference_orders(row["labels_sorted"], args.batch_size)
+        listed = [(f"{name} local", copy, str(copy["path"]), 0) for name, copy in copies.items()
+                  if copy["tool"] == "packer"]
+        listed += [(name, copy, copy.get("url", ""), int(copy.get("bytes", 0) * args.cache_fraction))
+                   for name, copy in copies.items() if copy["tool"] in args.tools]
+        rows: list[Row | dict[str, Any]] = [
+            {"row": name, "tool": copy["tool"], "error": copy["error"]} if "error" in copy else
+            Row(name, copy, url, limit, {**env, **tool_env(copy["tool"], results["images"], args)},
+                block if copy["tool"] == "packer" else 0)
+            for name, copy, url, limit in listed]
+        # round-robin, every row's first read, then every row's second...: a drift of the machine's speed during
+        # the run (these machines are shared) moves the local reference and the URL rows alike, where each row's
+        # reads one after another put minutes between the reference and the rows divided by it
+        for repeat in range(args.repeats):
+            for row in rows:
+                if isinstance(row, Row):
+                    row.read(args, server, repeat)
+            results["rows"] = [row.summary() if isinstance(row, Row) else row for row in rows]
+            results["local_sps"] = {row["format"]: row["epoch2_sps"] for row in results["rows"]
+                                    if row["row"].endswith(" local") and "error" not in row}
             results["seconds"] = time.perf_counter() - started
             (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        local = next((r for r in rows if isinstance(r, Row) and r.name.endswith(" local") and r.runs), None)
+        if local is not None:
+            results["reference"] = reference_orders(local.labels_sorted, args.batch_size)
     idle = load.finish(args.settle)
     results["machine"].update(load_end=idle["load_end"], others_cpu_share=idle["others_cpu_share"])
     results["publishable"] = idle["publishable"] and not args.smoke
     results["seconds"] = time.perf_counter() - started
-    for row in results["rows"]:
-        row.pop("labels_sorted", None)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     text = table(results)
     (args.out / "results.md").write_text(text + "\n")
