@@ -92,6 +92,29 @@ def blocked_reader(dataset: Any) -> Any | None:
     return reader if callable(getattr(reader, "hold_block", None)) else None
 
 
+def cache_short_of(reader: Any, batch_size: int, batches: int, window: int, ahead: int | None = None) -> str | None:
+    """A one-line notice when what the fetch-ahead may hold (``ahead``, default ``reader.fetch_ahead``, of its
+    largest blocks: a share of ``cache_limit``) is fewer samples than a loader's ``batches`` batches in flight
+    (each decoder's prefetched batches and the next one) and the rest of the ``window`` of blocks the next of
+    them may begin in (a batch needs its blocks whole; all of a window's blocks but one): the decoders would
+    outrun it and wait on fetches of their own, a request's latency each. None where it holds them, and for a
+    local folder (no latency to hide). Both terms grow with the limit (the blocks are cut from it), so the limit
+    that holds them follows from this one."""
+    sizes = np.asarray(reader.block_bytes(), dtype=np.int64)
+    if reader.budget != "cache_limit" or not len(reader) or not sizes.sum():
+        return None
+    per_block = int(sizes.max()) * len(reader) / int(sizes.sum())  # samples of the mean size in the largest block
+    ahead = reader.fetch_ahead if ahead is None else ahead
+    held, flight, rest = int(ahead * per_block), batch_size * batches, int((window - 1) * per_block)
+    if held >= flight + rest:
+        return None
+    need = f"about {reader.limit * flight / (held - rest) / 1e6:.3g} MB" if reader.limit and held > rest else ""
+    return (f"packer: {reader.where}: cache_limit holds about {held:,} samples fetched ahead, fewer than the "
+            f"{flight:,} this loader keeps in flight ({batches} batches of {batch_size}) and the rest of a window "
+            f"of {window} blocks: its decoders will wait on fetches; raise cache_limit{' to ' + need if need else ''}, "
+            "or lower batch_size, num_workers or the prefetch")
+
+
 def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """From the block of each of a rank's samples in order: the blocks in the order they are first read, and
     the last batch that reads each (aligned with that order)."""

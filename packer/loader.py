@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
-from .fetchahead import FetchAhead, blocked_reader, say_once
+from .fetchahead import FetchAhead, blocked_reader, cache_short_of, say_once
 from .fieldbatch import FieldBatch
 from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
@@ -470,6 +470,11 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
             settings.pop(key, None)
     if pin_batches:
         settings["pin_memory"] = False  # the batch is made in pinned memory: no second copy to pin it
+    if reader is not None and settings.get("batch_sampler") is None:
+        in_flight = max(1, settings["num_workers"]) * (settings.get("prefetch_factor") or plan.prefetch) + 1
+        short = cache_short_of(reader, batch_size, in_flight, block_window, fetch_ahead)
+        if short:
+            say_once(short)
     data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
                           pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,

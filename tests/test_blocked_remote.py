@@ -438,6 +438,27 @@ def test_a_full_fetch_ahead_leaves_room_for_a_block_a_worker_fetches_itself(pack
                 release()
 
 
+def test_a_cache_too_small_for_the_batches_in_flight_is_said_once_with_the_limit_that_holds_them(packs, server,
+                                                                                                  tmp_path, capfd):
+    """make_loader says, in one line naming the URL, when the fetch-ahead's share of cache_limit holds fewer samples
+    than the loader keeps in flight (its decoders would wait on their own fetches), and what limit would hold
+    them: at that limit it says nothing. A local folder read a block at a time (page_budget) is never told."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    total, batch = data_bytes(packs, fmt), 24  # a batch size no other test uses: each line is said once a process
+    capfd.readouterr()
+    small = open_blocked(f"{server.url}/{fmt}", tmp_path / "small", total // 7)
+    packer.make_loader(small, batch_size=batch, num_workers=WORKERS)
+    said = [line for line in capfd.readouterr().err.splitlines() if "wait on fetches" in line]
+    assert len(said) == 1 and said[0].startswith(f"packer: {server.url}/{fmt}: cache_limit holds about "), said
+    need = float(said[0].split("raise cache_limit to about ")[1].split(" MB")[0]) * 1e6
+    assert total // 7 < need < total  # more than it was, and still smaller than the dataset: read in blocks
+    enough = open_blocked(f"{server.url}/{fmt}", tmp_path / "enough", int(need * 1.01))  # 3 figures, rounded
+    packer.make_loader(enough, batch_size=batch, num_workers=WORKERS)
+    local = packer.open_dataset(packs / fmt, page_budget=total // 7)
+    packer.make_loader(local, batch_size=batch, num_workers=WORKERS)
+    assert "wait on fetches" not in capfd.readouterr().err
+
+
 def test_the_next_epochs_first_blocks_are_fetched_before_it_starts(packs, server, truth, tmp_path):
     """Once the pass's own blocks are fetched, the thread fetches those of the next epoch's first batch in each
     worker (as the sampler will make it): the next epoch does not start by waiting on requests."""

@@ -96,7 +96,7 @@ def open_blocked(found: BlockedSource, reader_class: type[Reader], window: int =
     block, ahead = block_budget(found.limit, window)
     budget = getattr(found, "budget", "cache_limit")  # the argument that set limit (page_budget: a local folder)
     reader = BlockedReader(reader_class, found.manifest, layout, found.store, found.url, span_blocks(layout, block),
-                           found.view, ahead, budget=budget)
+                           found.view, ahead, budget=budget, limit=found.limit)
     if found.url not in _SAID:
         _SAID.add(found.url)
         print(f"packer: {found.url} is {found.total:,} bytes, over {budget} {found.limit:,}: reading it a block "
@@ -126,6 +126,7 @@ class BlockedReader(Reader):
         fetch_ahead: how many blocks the loader keeps fetched ahead of the batch being read.
         keep: blocks each process keeps open.
         budget: the argument that bounds it: ``"cache_limit"`` (a URL) or ``"page_budget"`` (a local folder).
+        limit: that bound, in bytes.
     """
 
     HANDLES = ("_blocks", "_lock")
@@ -133,7 +134,7 @@ class BlockedReader(Reader):
 
     def __init__(self, format_class: type[Reader], manifest: dict, layout: Layout, store: BlockStore, where: str,
                  starts: np.ndarray, root: str | os.PathLike, fetch_ahead: int = WINDOW, keep: int = KEEP_BLOCKS,
-                 budget: str = "cache_limit"):
+                 budget: str = "cache_limit", limit: int = 0):
         super().__init__(root, manifest=manifest)
         self.format = format_class.format
         self.format_class = format_class
@@ -144,6 +145,7 @@ class BlockedReader(Reader):
         self.fetch_ahead = fetch_ahead
         self.keep = max(1, keep)
         self.budget = budget
+        self.limit = limit
         self.spans = np.zeros((0, 3), np.int64) if not len(layout) else np.stack(  # per block: file, start, end
             [layout.file[self.starts].astype(np.int64), np.minimum.reduceat(layout.start, self.starts),
              np.maximum.reduceat(layout.end, self.starts)], axis=1)
