@@ -423,7 +423,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
             ``shuffle=True`` reads it as ``"blocks"`` (said once on stderr).
         fetch_ahead: for a URL larger than its cache_limit, how many blocks' worth of bytes (of its largest
             block) a thread keeps fetched ahead of the batches: more blocks where they are short, such as a
-            shard's last one (default: what the cache budget allows, see ``open_dataset``).
+            shard's last one (default: what the cache budget allows, see ``open_dataset``). Where that holds
+            fewer samples than the batches in flight (and the rest of their window), it says so once on stderr,
+            with the ``cache_limit`` that would hold them: below it the decoders wait on fetches of their own.
         **overrides: any ``DataLoader`` argument (``num_workers``, ``pin_memory``, ``sampler``...).
 
     Raises:
