@@ -5,6 +5,7 @@ path cannot reproduce its settings."""
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 from remote_support import S3Server, fault_proxy
@@ -96,20 +97,42 @@ def test_settings_it_cannot_reproduce_keep_s3fs(proxied, monkeypatch):
     assert not presigned.can_presign(fresh_fs(proxied, key="testing", secret="testing"))
 
 
-def _read_in_child(options: dict, queue) -> None:
+def _sockets_open(sockets: list[tuple[int, int]]) -> list[int]:
+    """Which of ``(fd, inode)`` are still that socket in this process."""
+    found = []
+    for fd, inode in sockets:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:
+            found.append(fd)
+    return found
+
+
+def _read_in_child(options: dict, inherited: list[tuple[int, int]], queue) -> None:
+    still_open = _sockets_open(inherited)  # before this child makes a connection of its own
     fs = filesystem("s3", options)  # a filesystem of the child's own, with the parent's options
     fs.url = None  # the child may not sign: it reads with the URL its parent signed
-    queue.put(presigned.presigned_range(fs, "s3://bucket/blob", 7, 77))
+    queue.put((still_open, presigned.presigned_range(fs, "s3://bucket/blob", 7, 77)))
 
 
 def test_a_forked_worker_reads_with_the_urls_its_parent_signed(proxied):
+    """The child reads with its own connection and closes its copies of the parent's idle ones, which the parent
+    goes on using (closing a copy sends nothing)."""
     import multiprocessing
 
     fs = fresh_fs(proxied, key="testing", secret="testing")
     assert _cat(fs, "s3://bucket/blob", 0, 10) == BLOB[:10]  # signed here
+    idle = [c for (pid, _), kept in presigned._IDLE.items() if pid == os.getpid() for c in kept]
+    sockets = [(c.sock.fileno(), os.fstat(c.sock.fileno()).st_ino) for c in idle if c.sock is not None]
+    assert sockets
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=_read_in_child, args=(fs.storage_options, queue))
+    child = context.Process(target=_read_in_child, args=(fs.storage_options, sockets, queue))
     child.start()
-    assert queue.get(timeout=30) == BLOB[7:77]
+    assert queue.get(timeout=30) == ([], BLOB[7:77])
     child.join(10)
+    assert _cat(fs, "s3://bucket/blob", 10, 20) == BLOB[10:20]
+    after = [c for (pid, _), kept in presigned._IDLE.items() if pid == os.getpid() for c in kept]
+    assert set(map(id, idle)) <= set(map(id, after)) and _sockets_open(sockets) == [fd for fd, _ in sockets]

@@ -49,13 +49,20 @@ _IDLE: dict[tuple[int, tuple[str, str, int]], list[http.client.HTTPConnection]] 
 _TLS: dict[int, ssl.SSLContext] = {}  # pid -> the context HTTPS connections verify with
 
 
-def _new_lock() -> None:
-    """In a forked child: a lock of its own (a thread of the parent may have held this one as it forked)."""
+def _after_fork() -> None:
+    """In a forked child: a lock of its own (a thread of the parent may have held this one as it forked), and
+    its copies of the parent's idle connections closed (never used here: a child would otherwise keep each one
+    open for as long as it lives, after the parent or the server let it go). Closing a copy sends nothing: the
+    parent's connection stays open."""
     global _LOCK
     _LOCK = threading.Lock()
+    for idle in _IDLE.values():
+        for connection in idle:
+            connection.close()
+    _IDLE.clear()
 
 
-os.register_at_fork(after_in_child=_new_lock)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _options(fs: Any) -> str:
