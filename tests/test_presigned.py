@@ -1,6 +1,7 @@
 """Ranged GETs of S3 objects through presigned URLs (packer.remote.presigned), against moto behind the fault
 proxy: the same bytes as s3fs reads, s3fs whenever that path does not answer the range, and s3fs alone where the
-path cannot reproduce its settings."""
+path cannot reproduce its settings; and of HTTP(S) URLs as they are, against a file server behind the proxy, with
+fsspec in the same places."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import stat
 
 import pytest
-from remote_support import S3Server, fault_proxy
+from remote_support import S3Server, fault_proxy, serve_files
 
 from packer.remote import presigned
 from packer.remote.fetch import _cat
@@ -136,3 +137,64 @@ def test_a_forked_worker_reads_with_the_urls_its_parent_signed(proxied):
     assert _cat(fs, "s3://bucket/blob", 10, 20) == BLOB[10:20]
     after = [c for (pid, _), kept in presigned._IDLE.items() if pid == os.getpid() for c in kept]
     assert set(map(id, idle)) <= set(map(id, after)) and _sockets_open(sockets) == [fd for fd, _ in sockets]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HTTP(S) URLs, read as they are
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def http_proxied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("http")
+    (root / "blob").write_bytes(BLOB)
+    files = serve_files(root)
+    proxy = fault_proxy(files.url)
+    yield proxy
+    proxy.stop()
+    files.stop()
+
+
+@pytest.fixture
+def no_failures(monkeypatch):
+    """Failures counted afresh: an HTTP filesystem without options has one key in the whole process."""
+    monkeypatch.setattr(presigned, "_FAILED", {})
+
+
+def idle_to(proxy) -> list:
+    return presigned._IDLE.get((os.getpid(), ("http", "127.0.0.1", proxy.port, "system")), [])
+
+
+def test_an_http_range_is_one_get_of_the_url_on_a_kept_alive_connection(http_proxied, no_failures):
+    fs = filesystem("http")
+    assert presigned.can_get_plainly(fs) and not presigned.can_presign(fs)
+    gets = http_proxied.gets("/blob")
+    assert _cat(fs, f"{http_proxied.url}/blob", 1_000, 201_000) == BLOB[1_000:201_000]
+    kept = list(idle_to(http_proxied))
+    assert _cat(fs, f"{http_proxied.url}/blob", 299_999, 300_000) == BLOB[-1:]
+    assert http_proxied.gets("/blob") - gets == 2 and kept and idle_to(http_proxied) == kept  # one connection
+
+
+@pytest.mark.parametrize("fault", ["500", "reset", "truncate"])
+def test_a_failed_http_get_is_read_again_through_fsspec_and_keeps_the_path(http_proxied, no_failures, fault):
+    fs = filesystem("http")
+    http_proxied.faults.append(fault)
+    gets = http_proxied.gets("/blob")
+    assert _cat(fs, f"{http_proxied.url}/blob", 10, 20_010) == BLOB[10:20_010]
+    assert http_proxied.gets("/blob") - gets == 2  # the failed GET, then fsspec's
+    assert presigned.can_get_plainly(fs)
+
+
+def test_an_http_server_that_ignores_range_turns_the_path_off_after_a_few_answers(http_proxied, no_failures):
+    fs = filesystem("http")
+    for _ in range(presigned.FAILURES):
+        assert presigned.can_get_plainly(fs)
+        http_proxied.faults.append("norange")
+        assert _cat(fs, f"{http_proxied.url}/blob", 5, 105) == BLOB[5:105]
+    assert not presigned.can_get_plainly(fs)
+    assert _cat(fs, f"{http_proxied.url}/blob", 0, 100) == BLOB[:100]  # through fsspec alone
+
+
+def test_http_settings_only_fsspec_applies_keep_fsspec(http_proxied, no_failures, monkeypatch):
+    assert not presigned.can_get_plainly(filesystem("http", {"client_kwargs": {"headers": {"X-Token": "t"}}}))
+    assert presigned.plain_range(filesystem("http"), f"http://user:pw@127.0.0.1:{http_proxied.port}/blob", 0, 9) is None
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    assert not presigned.can_get_plainly(filesystem("http"))

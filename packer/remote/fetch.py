@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from ..errors import PackerError, RemoteError
 from .fs import is_transient, storage_error
-from .presigned import can_presign, presigned_range
+from .presigned import can_get_plainly, can_presign, plain_range, presigned_range
 
 CHUNK = 64 << 20  # bytes per ranged GET: few requests per file, bounded memory
 T = TypeVar("T")
@@ -48,7 +48,8 @@ def _stream(fs: Any, url: str, start: int | None, limit: int) -> bytes:
 def _cat(fs: Any, url: str, start: int | None = None, end: int | None = None, limit: int | None = None) -> bytes:
     """One GET (ranged when ``start`` is given), counted; never more than ``end - start`` (or ``limit``) bytes
     plus one are read into memory, so a longer answer is seen as one without growing past it. An S3 range goes
-    through its presigned URL (:mod:`.presigned`) where it can, and through ``fs`` when that does not answer it."""
+    through its presigned URL, an HTTP(S) range through the URL itself, on this process's kept-alive connections
+    (:mod:`.presigned`) where they can, and through ``fs`` when that does not answer it."""
     STATS["requests"] += 1
     data = _fetch(fs, url, start, end, limit)
     STATS["bytes"] += len(data)
@@ -56,11 +57,13 @@ def _cat(fs: Any, url: str, start: int | None = None, end: int | None = None, li
 
 
 def _fetch(fs: Any, url: str, start: int | None, end: int | None, limit: int | None) -> bytes:
-    if start is not None and end is not None and can_presign(fs):
-        data = presigned_range(fs, url, start, end)
-        if data is not None:
-            return data
-        STATS["requests"] += 1  # read again through fs
+    if start is not None and end is not None:
+        direct = presigned_range if can_presign(fs) else plain_range if can_get_plainly(fs) else None
+        if direct is not None:
+            data = direct(fs, url, start, end)
+            if data is not None:
+                return data
+            STATS["requests"] += 1  # read again through fs
     most = (end - start) if start is not None and end is not None else limit
     if most is not None and _is_http(fs):
         return _stream(fs, url, start, most)
