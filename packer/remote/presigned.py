@@ -43,6 +43,7 @@ IDLE = 16  # kept-alive connections kept per server, per process
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 _PLAIN_OPTIONS = {"endpoint_url", "key", "secret", "token", "anon", "profile", "skip_instance_cache"}
 _PLAIN_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_PLAIN_HTTP_OPTIONS = {"skip_instance_cache"}
 
 _LOCK = threading.Lock()
 # (the filesystem's options, url) -> (signed at, its server, its request target): a forked DataLoader worker
@@ -78,19 +79,28 @@ def _options(fs: Any) -> str:
     return json.dumps(getattr(fs, "storage_options", {}) or {}, sort_keys=True, default=repr)
 
 
+def _protocols(fs: Any) -> set[str]:
+    return set(fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def _still_on(fs: Any) -> bool:
+    """No proxy variable set (only the filesystem's own client applies one), and fewer than ``FAILURES``
+    failures for ``fs``'s options in this process."""
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return False
+    return _FAILED.get((os.getpid(), _options(fs)), 0) < FAILURES
+
+
 def can_presign(fs: Any) -> bool:
     """Whether ranges of ``fs``'s objects may be read through presigned URLs: an S3 filesystem with plain options
     (see the module's docstring), no proxy set, and fewer than ``FAILURES`` failures so far."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if not {"s3", "s3a"} & set(protocols) or not callable(getattr(fs, "url", None)):
+    if not {"s3", "s3a"} & _protocols(fs) or not callable(getattr(fs, "url", None)):
         return False
     options = getattr(fs, "storage_options", {}) or {}
     client = options.get("client_kwargs") or {}
     if set(options) - _PLAIN_OPTIONS - {"client_kwargs"} or set(client) - _PLAIN_CLIENT_KWARGS:
         return False
-    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
-        return False
-    return _FAILED.get((os.getpid(), _options(fs)), 0) < FAILURES
+    return _still_on(fs)
 
 
 def _tls(trust: str) -> ssl.SSLContext:
@@ -148,11 +158,10 @@ def _presigned(fs: Any, url: str) -> tuple[Server, str]:
         found = _SIGNED.get(key)
     if found is not None and time.monotonic() - found[0] < EXPIRES / 2:
         return found[1], found[2]
-    split = urllib.parse.urlsplit(fs.url(url, expires=EXPIRES))
-    if split.scheme not in ("http", "https") or not split.hostname:
+    where = _server_and_target(fs.url(url, expires=EXPIRES), "aws")
+    if where is None:
         raise ValueError(f"{url}: not an HTTP(S) presigned URL")
-    server = (split.scheme, split.hostname, split.port or (443 if split.scheme == "https" else 80), "aws")
-    target = split.path + (f"?{split.query}" if split.query else "")
+    server, target = where
     with _LOCK:
         _SIGNED[key] = (time.monotonic(), server, target)
     return server, target
@@ -206,24 +215,27 @@ def can_get_plainly(fs: Any) -> bool:
     """Whether ranges of ``fs``'s URLs may be read here with the URL itself: an HTTP(S) filesystem without
     options (no headers, authentication or client settings, which only fsspec's client applies), no proxy set,
     and fewer than ``FAILURES`` failures so far."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    options = set(getattr(fs, "storage_options", {}) or {})
-    if not {"http", "https"} & set(protocols) or options - {"skip_instance_cache"}:
+    if not {"http", "https"} & _protocols(fs) or set(getattr(fs, "storage_options", {}) or {}) - _PLAIN_HTTP_OPTIONS:
         return False
-    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
-        return False
-    return _FAILED.get((os.getpid(), _options(fs)), 0) < FAILURES
+    return _still_on(fs)
 
 
 def plain_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
     """Bytes ``[start, end)`` of the HTTP(S) ``url``, as :func:`presigned_range` reads them (None: the caller reads
     them through ``fs``, which also follows redirects). Call only where :func:`can_get_plainly`; a URL with a user
     name or password in it is left to ``fs``."""
+    where = _server_and_target(url, "system")
+    return None if where is None else _range(fs, url, *where, start, end)
+
+
+def _server_and_target(url: str, trust: str) -> tuple[Server, str] | None:
+    """The server (with ``trust``) and request target (path and query) of an HTTP(S) ``url``; None for any other
+    URL, and for one with a user name or password in it (only the filesystem's client sends those)."""
     split = urllib.parse.urlsplit(url)
     if split.scheme not in ("http", "https") or not split.hostname or split.username or split.password:
         return None
-    server = (split.scheme, split.hostname, split.port or (443 if split.scheme == "https" else 80), "system")
-    return _range(fs, url, server, (split.path or "/") + (f"?{split.query}" if split.query else ""), start, end)
+    port = split.port or (443 if split.scheme == "https" else 80)
+    return (split.scheme, split.hostname, port, trust), (split.path or "/") + (f"?{split.query}" if split.query else "")
 
 
 def _range(fs: Any, url: str, server: Server, target: str, start: int, end: int) -> bytes | None:
