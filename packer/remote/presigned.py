@@ -18,8 +18,8 @@ range through s3fs, whose retries and errors then apply. After a few failures th
 status other than 5xx) the path is off for that filesystem in that process.
 
 An HTTP(S) dataset's ranges take the same path with the URL itself (:func:`plain_range`): fsspec's HTTP
-filesystem reads a range through aiohttp on its event-loop thread, 1.4-1.6 ms of CPU for a 0.6 MB range against
-0.25-0.3 ms here (one process, the lite server on loopback); HTTPS is verified with the system's certificates,
+filesystem reads a range through aiohttp on its event-loop thread, several times the CPU of a GET here
+(``benchmarks/range_get_cost.py`` measures both); HTTPS is verified with the system's certificates,
 as aiohttp's default. fsspec stays the authority there too: only for a filesystem without options and a URL
 without credentials, and any other answer (a redirect, which fsspec follows) falls back to it.
 """
