@@ -153,27 +153,27 @@ class FetchAhead:
         sizes = np.asarray(reader.block_bytes(), dtype=np.int64)
         budget = max(0, ahead) * int(sizes.max(initial=0))
         self.stop_event = threading.Event()
+        self.fetchers = _Fetchers(reader.hold_block, min(FETCHERS, max(0, ahead)), self.stop_event)
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
-                                       args=(reader.hold_block, self.order, self.last, progress,
+                                       args=(self.fetchers, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
-                                             (min(FETCHERS, max(0, ahead)), sizes, budget), self.stop_event,
-                                             _next_blocks(reader, then)))
+                                             (sizes, budget), self.stop_event, _next_blocks(reader, then)))
         _RUNNING.add(self)
         self.thread.start()
 
     def stop(self) -> None:
         """Stop the thread and release what it holds (waits for the fetches in progress)."""
         self.stop_event.set()
+        self.fetchers.wake()
         if self.thread is not threading.current_thread():
             self.thread.join()
 
     @staticmethod
-    def _run(hold: Callable[..., Callable[[], None] | None], order: np.ndarray, last: np.ndarray, progress: Any,
-             mapped: Callable[[], int], owner: weakref.ref, limits: tuple[int, np.ndarray, int],
-             stop: threading.Event, then: Callable[[], np.ndarray] | None) -> None:
-        threads, sizes, budget = limits  # fetch threads; each block's bytes; the bytes held and fetched at most
+    def _run(fetchers: _Fetchers, order: np.ndarray, last: np.ndarray, progress: Any, mapped: Callable[[], int],
+             owner: weakref.ref, limits: tuple[np.ndarray, int], stop: threading.Event,
+             then: Callable[[], np.ndarray] | None) -> None:
+        sizes, budget = limits  # each block's bytes; the bytes held and fetched at most
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
-        fetchers = _Fetchers(hold, threads, stop)
         passed = 0  # no batch needs the blocks of ``order`` before this one
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
@@ -205,7 +205,10 @@ class FetchAhead:
                     order = np.concatenate([order, following])
                     last = np.concatenate([last, np.full(len(following), np.iinfo(np.int64).max)])  # to the end
                     then = None
-                stop.wait(POLL)
+                if room:
+                    fetchers.wait(POLL)  # woken by a fetch done: the next starts at once
+                else:
+                    stop.wait(POLL)
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
         finally:
@@ -224,63 +227,108 @@ def _next_blocks(reader: Any, then: Callable[[], list[int]] | None) -> Callable[
     return lambda: block_plan(reader.block_of(then()), 1)[0]
 
 
+class _FetchThreads:
+    """This process's fetch threads, kept across passes (daemon threads, started as passes need them): starting
+    a pass's threads on a machine whose cores the decoders keep busy waited for a core per thread, and delayed
+    the pass's first fetches past its first batches. A forked child starts its own (the parent's are not in it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = 0
+        self._wanted = 0  # threads the passes running now asked for
+
+    def want(self, count: int) -> queue.SimpleQueue:
+        """Make sure ``count`` more threads than the running passes asked for serve this process's jobs
+        (``(fetchers, k, block)``), and return their queue; :meth:`done_with` gives the ``count`` back."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid, self._jobs, self._threads, self._wanted = os.getpid(), queue.SimpleQueue(), 0, 0
+            self._wanted += count
+            while self._threads < self._wanted:
+                threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="packer-fetch-block").start()
+                self._threads += 1
+            return self._jobs
+
+    def done_with(self, count: int) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._wanted -= count
+
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fetchers, k, block = jobs.get()
+            fetchers.run(k, block)
+
+
+_FETCH_THREADS = _FetchThreads()
+
+
 class _Fetchers:
-    """A few daemon threads fetching blocks for one :class:`FetchAhead` pass, each one block at a time."""
+    """One :class:`FetchAhead` pass's fetches: up to ``count`` blocks at once, on this process's fetch threads."""
 
     def __init__(self, hold: Callable[..., Callable[[], None] | None], count: int, stop: threading.Event):
-        self.hold, self.stop = hold, stop
-        self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.hold, self.stop, self.count = hold, stop, max(1, count)
+        self.jobs = _FETCH_THREADS.want(self.count)
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (position, release or None), or None: wake()
         self.running: set[int] = set()  # positions being fetched, or fetched and not yet taken by done()
-        self.threads = [threading.Thread(target=self._work, daemon=True, name="packer-fetch-block")
-                        for _ in range(max(1, count))]
-        for thread in self.threads:
-            thread.start()
+        self._ready: list[tuple[int, Callable[[], None] | None]] = []  # results wait() took
 
-    def _work(self) -> None:
-        while True:
-            job = self.todo.get()
-            if job is None:
-                return
-            k, block = job
-            release = None
-            if not self.stop.is_set():
-                try:
-                    with _FORK_GATE.fetching():
-                        release = self.hold(block, wait=False)
-                except Exception:  # noqa: BLE001 - the reader fetches it itself when it needs it
-                    release = None
-            self.results.put((k, release))
+    def run(self, k: int, block: int) -> None:
+        """Fetch and hold block ``block`` (position ``k``), on a fetch thread: its release, or None, to done()."""
+        release = None
+        if not self.stop.is_set():
+            try:
+                with _FORK_GATE.fetching():
+                    release = self.hold(block, wait=False)
+            except Exception:  # noqa: BLE001 - the reader fetches it itself when it needs it
+                release = None
+        self.results.put((k, release))
 
     def start(self, k: int, block: int) -> None:
         self.running.add(k)
-        self.todo.put((k, block))
+        self.jobs.put((self, k, block))
 
     def has(self, k: int) -> bool:
         return k in self.running
 
-    def busy(self) -> int:
-        return len(self.running)
-
     def idle(self) -> bool:
-        return len(self.running) < len(self.threads)
+        return len(self.running) < self.count
+
+    def wait(self, timeout: float) -> None:
+        """Until a fetch finishes, :meth:`wake` is called or ``timeout`` seconds pass."""
+        with contextlib.suppress(queue.Empty):
+            result = self.results.get(timeout=timeout)
+            if result is not None:
+                self._ready.append(result)
+
+    def wake(self) -> None:
+        """End a :meth:`wait` now."""
+        self.results.put(None)
 
     def done(self) -> list[tuple[int, Callable[[], None] | None]]:
         """The fetches finished since the last call: (position, release or None when there was no room)."""
-        finished = []
+        finished, self._ready = self._ready, []
         while True:
             try:
-                k, release = self.results.get_nowait()
+                result = self.results.get_nowait()
             except queue.Empty:
-                return finished
-            self.running.discard(k)
-            finished.append((k, release))
+                break
+            if result is not None:
+                finished.append(result)
+        self.running.difference_update(k for k, _ in finished)
+        return finished
 
     def finish(self) -> list[tuple[int, Callable[[], None] | None]]:
-        """Wait for the fetches in progress (the threads end) and return what they gave."""
-        for _ in self.threads:
-            self.todo.put(None)
-        for thread in self.threads:
-            if thread is not threading.current_thread():
-                thread.join()
-        return self.done()
+        """Wait for the fetches started (those not begun yet give None once ``stop`` is set) and return what
+        they gave; the threads go back to the process's."""
+        finished = self.done()
+        while self.running:
+            result = self.results.get()
+            if result is not None:
+                self.running.discard(result[0])
+                finished.append(result)
+        _FETCH_THREADS.done_with(self.count)
+        return finished

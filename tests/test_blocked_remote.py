@@ -481,6 +481,21 @@ def test_the_next_epochs_first_blocks_are_fetched_before_it_starts(packs, server
     assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
 
 
+def test_every_pass_fetches_on_the_process_s_fetch_threads_started_once(packs, server, truth, tmp_path):
+    """The threads that fetch blocks start once per process and serve every pass (started again each epoch, on
+    cores the decoders keep busy, they delayed its first fetches past its first batches): their number does not
+    grow with the epochs, and every sample is read once an epoch."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=WORKERS, shuffle=True)
+    counts = []
+    for _ in range(3):
+        assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+        assert fetch_ahead_threads() == []
+        counts.append([t.name for t in threading.enumerate()].count("packer-fetch-block"))
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+
+
 def test_the_thread_fetches_several_blocks_at_once_behind_a_slow_link(packs, server, truth, tmp_path):
     """Each block's request latency overlaps the others': with one reading thread (no worker processes) more
     than two requests in flight at once can only be the fetch-ahead thread's."""
