@@ -9,7 +9,8 @@ blocks until the caller has received it, or, with packer's worker pool, only unt
 block of the pass is fetched or held, it fetches the blocks the next pass starts with (``then``: the next
 epoch's first batches, as the sampler will make them unless told otherwise) and holds them to the pass's end,
 so that the next epoch's first batches do not wait on requests. Up to ``FETCHERS`` of them are fetched at
-once, in the order they will be read, so that each request's latency overlaps the others' and the decoding.
+once, in the order they will be read, so that each request's latency overlaps the others' and the decoding, on
+threads the process keeps for every pass.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
 one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
 the caller drops the iterator, or when the loader starts another pass.
@@ -228,9 +229,9 @@ def _next_blocks(reader: Any, then: Callable[[], list[int]] | None) -> Callable[
 
 
 class _FetchThreads:
-    """This process's fetch threads, kept across passes (daemon threads, started as passes need them): starting
-    a pass's threads on a machine whose cores the decoders keep busy waited for a core per thread, and delayed
-    the pass's first fetches past its first batches. A forked child starts its own (the parent's are not in it)."""
+    """This process's fetch threads, kept across passes (daemon threads, started as passes need them): a pass
+    that started threads of its own, on cores the decoders keep busy, began its first fetches after its first
+    batches had been decoded. A forked child starts its own (the parent's are not in it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
