@@ -269,6 +269,48 @@ def test_a_full_cache_waits_for_room_and_an_object_over_the_limit_fails_at_once(
     assert not isinstance(error.value, CacheFull) and time.monotonic() - started < 1
 
 
+EVICT_ALL = """
+import sys
+from packer.remote.cache import Cache, CacheFull
+cache = Cache(sys.argv[1], limit=100)
+print("ready", flush=True)
+try:
+    with cache._eviction_locked():
+        cache._make_room(100)  # room for 100 bytes: every object not pinned goes
+except CacheFull:
+    pass
+"""
+
+
+def test_an_object_just_fetched_is_pinned_before_another_process_may_evict_it(tmp_path, monkeypatch):
+    """flock(2) converts a lock by dropping it first: the reservation's exclusive lock becomes the fetcher's shared
+    pin while it holds the node's eviction lock, which an eviction needs, so another process cannot delete the
+    object in between. Simulated: the conversion drops the lock, and another process evicts everything not pinned
+    meanwhile (it waits for the eviction lock); the object stays, pinned."""
+    import fcntl
+
+    import packer.remote.cache as cache_module
+
+    root, blob = tmp_path / "cache", b"b" * 100
+    sha, real, evictor = hashlib.sha256(blob).hexdigest(), cache_module.lock_file, []
+
+    def converting(fd: int, exclusive: bool = True, blocking: bool = True) -> bool:
+        if not exclusive and not evictor:  # the reservation's lock becoming the pin
+            fcntl.flock(fd, fcntl.LOCK_UN)  # what flock(2) does first
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+            evictor.append(subprocess.Popen([sys.executable, "-c", EVICT_ALL, str(root)], env=env,
+                                            stdout=subprocess.PIPE, text=True))
+            assert evictor[0].stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # the other process evicts now, unless it waits for the eviction lock
+        return real(fd, exclusive, blocking)
+
+    monkeypatch.setattr(cache_module, "lock_file", converting)
+    pin = Cache(root, limit=100).obtain(sha, 100, lambda path: path.write_bytes(blob))
+    assert evictor[0].wait(timeout=60) == 0
+    evictor[0].stdout.close()
+    assert pin.path.read_bytes() == blob and Cache(root).pin(sha) is not None
+
+
 def test_objects_of_the_older_layout_are_counted_and_evicted_not_read(tmp_path):
     """A cache filled before objects lay in one folder (``objects/ab/<sha256>``): its objects count toward the
     limit and go first when they are the least recently used (an emptied prefix folder with them); the object is

@@ -243,7 +243,9 @@ class Cache:
                 path = self.object_path(sha256)
                 with self._eviction_locked():  # a scan (under this lock) sees the reservation or the object, once
                     os.replace(tmp, path)
-                lock_file(fd, exclusive=False)  # the reservation's lock becomes the pin: no gap to evict it in
+                    # the reservation's lock becomes the pin, under this lock: flock converts a lock by dropping
+                    # it first, and an eviction in that gap would delete the object just fetched
+                    lock_file(fd, exclusive=False)
                 _touch(path)
                 return Pin(path, fd, inherited)
             except BaseException:
