@@ -10,14 +10,16 @@ one process; :mod:`packer.distributed` runs it once per rank, on one part of the
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -100,6 +102,31 @@ def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tu
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and ends the pool
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C noted while the pool is fed and read, and raised where the caller checks (the call it yields): a
+    KeyboardInterrupt raised inside the executor's ``submit`` can leave its work queue's lock held (CPython may
+    raise it between taking a lock and the ``with`` that releases it), and the shutdown that follows then waits
+    on that lock forever. Only in the main thread with Python's own handler in place; elsewhere Ctrl-C is left
+    as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: None
+        return
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+
+    def check() -> None:
+        if noted:
+            raise KeyboardInterrupt
+
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    check()  # a Ctrl-C after the last check
 
 
 @dataclass(frozen=True, eq=False)
@@ -381,12 +408,15 @@ class _Conversion:
             try:
                 pending: deque = deque()
                 window = 4 * workers  # chunks in flight: bounds memory whatever the dataset size
-                for chunk in chunks:
-                    pending.append(pool.submit(_convert_chunk, (chunk, self.spec)))
-                    if len(pending) >= window:
+                with _ctrl_c_between_steps() as check:
+                    for chunk in chunks:
+                        check()
+                        pending.append(pool.submit(_convert_chunk, (chunk, self.spec)))
+                        if len(pending) >= window:
+                            self.consume(pending.popleft().result())
+                    while pending:
+                        check()
                         self.consume(pending.popleft().result())
-                while pending:
-                    self.consume(pending.popleft().result())
             except BaseException:
                 # Cancel what has not started and let each worker finish its chunk (a fraction of a second).
                 # Killing workers instead can leave one dead in the middle of writing its result, and then
