@@ -4,8 +4,9 @@ While a loader's pass runs, a thread of the main process knows this rank's comin
 sample order, the same positions the batches come from) and keeps the next blocks that batches still need
 fetched and held (pinned in the cache), as many as fit in ``ahead`` of the largest blocks' bytes (a file's
 last block is often short: a WebDataset shard's tail), which the block size leaves room for: a batch needs its
-blocks until the caller has received it, or, with packer's worker pool, only until its worker has mapped them
-(:meth:`~packer.workers.WorkerPool.mapped_batches`), and each block goes once no batch needs it. Once every
+blocks until the caller has received it, or only until its worker has mapped them (packer's worker pool:
+:meth:`~packer.workers.WorkerPool.mapped_batches`; torch's DataLoader workers: :class:`WorkerMaps`), and each
+block goes once no batch needs it. Once every
 block of the pass is fetched or held, it fetches the blocks the next pass starts with (``then``: the next
 epoch's first batches, as the sampler will make them unless told otherwise) and holds them to the pass's end,
 so that the next epoch's first batches do not wait on requests. Up to ``FETCHERS`` of them are fetched at
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing
+import multiprocessing.context
 import os
 import queue
 import sys
@@ -116,6 +119,53 @@ def cache_short_of(reader: Any, batch_size: int, batches: int, window: int, ahea
             "or lower batch_size, num_workers or the prefetch")
 
 
+class WorkerMaps:
+    """What the fetch-ahead knows of torch's DataLoader workers reading a dataset a block at a time (packer's
+    pool has its own, :meth:`~packer.workers.WorkerPool.mapped_batches`): before it decodes a batch, a worker
+    maps every block the batch reads (:meth:`note`) and sets its slot, in memory shared with the main process,
+    to the batch's first sample index; from then on the batch no longer needs its blocks in the cache. Without
+    it the fetch-ahead held a batch's blocks until the caller received it, and in a cache near its bound a block
+    a worker had fetched itself could be evicted before the fetch-ahead reached it, and fetched again.
+
+    Args:
+        workers: the DataLoader's ``num_workers``.
+    """
+
+    def __init__(self, workers: int):
+        self.slots = multiprocessing.RawArray("q", [-1] * workers)
+
+    def __getstate__(self) -> dict:
+        # shared memory travels to a worker as it is started (spawn, forkserver), never in another pickle
+        spawning = multiprocessing.context.get_spawning_popen() is not None
+        return {"slots": self.slots if spawning else None}
+
+    def note(self, reader: Any, indices: list[int]) -> None:
+        """In a worker: map the blocks of the batch ``indices`` and say so (nothing outside a worker)."""
+        import torch.utils.data  # torch is imported wherever a DataLoader runs; this module does not need it
+
+        info = torch.utils.data.get_worker_info()
+        if self.slots is not None and info is not None and info.id < len(self.slots) and len(indices):
+            reader.map_blocks(indices)
+            self.slots[info.id] = int(indices[0])
+
+    def counter(self, indices: list[int], batch_size: int) -> Callable[[], int]:
+        """For the pass ``indices`` (its batches of ``batch_size``, in order): a call giving how many of its first
+        batches no longer need their blocks. Each worker takes its batches in the order they were sent, and they
+        are sent in order, so every batch before the least of the workers' latest is mapped too; a worker with
+        none yet this pass keeps the count at 0 (the batches received then decide). The slots are cleared here,
+        before the pass's batches are sent."""
+        slots = self.slots
+        slots[:] = [-1] * len(slots)
+        batch_of: dict[int, int] = {}  # a batch's first sample -> its number in the pass, made on first use
+
+        def mapped() -> int:
+            if not batch_of:
+                batch_of.update((int(first), number) for number, first in enumerate(indices[::batch_size]))
+            return min(batch_of.get(int(first), -1) for first in slots[:]) + 1
+
+        return mapped
+
+
 def block_plan(blocks: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """From the block of each of a rank's samples in order: the blocks in the order they are first read, and
     the last batch that reads each (aligned with that order)."""
@@ -142,8 +192,8 @@ class FetchAhead:
         owner: the iterator the caller holds: when it is garbage-collected, the thread stops.
         ahead: how many of the largest blocks' bytes to hold at most.
         mapped: the first batches that no longer need their blocks in the cache (received, or their decoder has
-            mapped every block they read: :meth:`packer.workers.WorkerPool.mapped_batches`; default: those
-            received).
+            mapped every block they read: :meth:`packer.workers.WorkerPool.mapped_batches`,
+            :meth:`WorkerMaps.counter`; default: those received).
         then: the next pass's first sample indices (called on the thread, once this pass's blocks are all
             fetched or held); None: nothing beyond this pass.
     """

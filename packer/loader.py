@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from . import arguments
 from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
-from .fetchahead import FetchAhead, blocked_reader, cache_short_of, say_once
+from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
 from .fieldbatch import FieldBatch
 from .loader_plan import LoaderPlan, plan_loader
 from .options import parse_bytes
@@ -168,6 +168,11 @@ class PrefetchLoader(DataLoader):
         if sampler is not None:
             self._restart_untouched(sampler)
         epoch_pass = sampler.next_pass() if sampler is not None else None
+        reader = blocked_reader(self.dataset)
+        fetching = reader is not None and epoch_pass is not None and epoch_pass.per_rank > 0
+        indices = epoch_pass.indices() if fetching else []
+        maps = self.dataset.maps if isinstance(self.dataset, BatchReads) else None  # torch's workers' mapped batches
+        mapped = maps.counter(indices, self.batch_size) if maps is not None and fetching else None
         if self.worker_pool_settings is not None:
             if self._worker_pool is None:
                 self._worker_pool = WorkerPool(**self.worker_pool_settings)
@@ -181,13 +186,12 @@ class PrefetchLoader(DataLoader):
             return iterator
         self._received = Progress(epoch_pass, epoch_pass.batches)
         counting = CountingIterator(iterator, self._received)
-        reader = blocked_reader(self.dataset)
-        if reader is not None and epoch_pass.per_rank:  # started after any worker forked: they hold none of it
+        if fetching:  # started after any worker forked: they hold none of it
             ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
             pool, following = self._worker_pool, epoch_pass.following()
             first = self.batch_size * max(1, self.num_workers)  # the next epoch's first batch in each decoder
-            self._fetching = FetchAhead(reader, epoch_pass.indices(), self.batch_size, self._received, counting,
-                                        ahead, pool.mapped_batches if pool is not None else None,
+            self._fetching = FetchAhead(reader, indices, self.batch_size, self._received, counting, ahead,
+                                        pool.mapped_batches if pool is not None else mapped,
                                         lambda: following.indices()[:first])
         return counting
 
@@ -332,11 +336,13 @@ class BatchReads(Dataset):
     loader's decode threads and pinning, so the dataset is never changed and one dataset can back several
     loaders with different settings. Other attributes are the dataset's."""
 
-    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool, crossing: bool = False):
+    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool, crossing: bool = False,
+                 maps: WorkerMaps | None = None):
         self.dataset = dataset
         self.threads = threads
         self.pin_memory = pin_memory
         self.crossing = crossing  # torch's workers hand a PackerError on as a Crossed batch (collate passes it)
+        self.maps = maps  # a dataset read a block at a time by torch's workers: what they have mapped
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -346,6 +352,8 @@ class BatchReads(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list | Crossed:
         try:
+            if self.maps is not None:
+                self.maps.note(self.dataset.reader, indices)
             return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
         except PackerError as exc:
             if torch.utils.data.get_worker_info() is None or not self.crossing:
@@ -477,7 +485,13 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         short = cache_short_of(reader, batch_size, in_flight, block_window, fetch_ahead)
         if short:
             say_once(short)
-    data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate) if packed else dataset
+    # a URL's blocks only: with page_budget a release soon after the read-ahead (asynchronous) can leave its pages
+    # resident, past the budget
+    torch_workers = settings["num_workers"] if plan.engine == "torch" else 0
+    maps = WorkerMaps(torch_workers) if reader is not None and reader.budget == "cache_limit" and torch_workers \
+        else None
+    data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate, maps) if packed \
+        else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
                           pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,
                           fetch_ahead=fetch_ahead, **settings)

@@ -30,7 +30,7 @@ from remote_support import CachePoll, S3Server, fault_proxy, serve_files, servin
 
 import packer
 from packer.errors import CorruptDataError, RemoteError
-from packer.fetchahead import block_plan
+from packer.fetchahead import WorkerMaps, block_plan
 from packer.formats import Reader, get_format
 from packer.formats.blocked import block_budget
 from packer.formats.layout import LocalSource
@@ -349,6 +349,45 @@ def fetch_ahead_threads() -> list[threading.Thread]:
 def test_block_plan_orders_blocks_by_first_read_with_their_last_batch():
     order, last = block_plan(np.array([0, 0, 1, 0, 2, 2, 1]), 2)  # batches 0 0 1 1 2 2 3
     assert order.tolist() == [0, 1, 2] and last.tolist() == [1, 3, 2]
+
+
+def test_torch_s_workers_mapped_batches_are_those_up_to_the_least_worker_s_latest():
+    """Each torch worker says the first sample of the latest batch whose blocks it mapped; batches go to the
+    workers in order and each takes its own in order, so every batch up to the least of those is mapped."""
+    maps = WorkerMaps(2)
+    order = list(range(100, 120))  # a pass of 5 batches of 4: first samples 100, 104, 108, 112, 116
+    mapped = maps.counter(order, 4)
+    assert mapped() == 0  # no worker has mapped a batch yet
+    maps.slots[0] = 108  # worker 0 has mapped batch 2
+    assert mapped() == 0  # worker 1 none: batch 1 may still need its blocks
+    maps.slots[1] = 104
+    assert mapped() == 2  # batches 0 and 1
+    maps.slots[1] = 112
+    assert mapped() == 3  # batches 0 to 2
+    maps.slots[0] = 7  # not the first sample of a batch of this pass (a previous pass's): counts as none
+    assert mapped() == 0
+    again = maps.counter(order, 4)  # a new pass clears what the last one said
+    assert list(maps.slots) == [-1, -1] and again() == 0
+    assert pickle.loads(pickle.dumps(maps)).slots is None  # the shared memory goes only to a worker starting
+
+
+def test_torch_s_workers_say_which_batches_they_have_mapped_before_they_are_received(packs, server, truth, tmp_path):
+    """Through torch's DataLoader workers (make_loader's engine for images without one output size), each worker
+    maps a batch's blocks before it decodes it and says so in memory the main process shares: the fetch-ahead
+    learns of batches mapped and not yet received, and lets their blocks go without waiting for the caller."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    ds = open_blocked(f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+    loader = packer.make_loader(ds, batch_size=BATCH // 2, num_workers=WORKERS, shuffle=True, seed=5)
+    assert loader.plan.engine == "torch"
+    firsts = loader.sampler.next_pass().indices()[:: BATCH // 2]  # each batch's first sample, in order
+    iterator = iter(loader)
+    taken = [next(iterator)]  # one batch received; the workers have been sent the next ones
+    slots, deadline = loader.dataset.maps.slots, time.monotonic() + 10
+    while not all(s in firsts[1:] for s in slots[:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(s in firsts[1:] for s in slots[:]), (slots[:], firsts[:4])  # batches 1, 2...: not received yet
+    taken.extend(iterator)
+    assert sorted(seen_indices(taken, truth[fmt])) == list(range(COUNT))
 
 
 class _SizedBlocks:
