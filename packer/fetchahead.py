@@ -134,6 +134,13 @@ class WorkerMaps:
     def __init__(self, workers: int):
         self.slots = multiprocessing.RawArray("q", [-1] * workers)
 
+    @classmethod
+    def of(cls, reader: Any | None, workers: int) -> WorkerMaps | None:
+        """For ``workers`` of torch's reading ``reader`` (a :func:`blocked_reader`, or None): a URL's only. With
+        ``page_budget`` the releases come sooner after the read-ahead, which is asynchronous, and can leave its
+        pages resident past the budget."""
+        return cls(workers) if reader is not None and reader.budget == "cache_limit" and workers > 0 else None
+
     def __getstate__(self) -> dict:
         # shared memory travels to a worker as it is started (spawn, forkserver), never in another pickle
         spawning = multiprocessing.context.get_spawning_popen() is not None

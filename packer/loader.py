@@ -485,11 +485,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         short = cache_short_of(reader, batch_size, in_flight, block_window, fetch_ahead)
         if short:
             say_once(short)
-    # a URL's blocks only: with page_budget a release soon after the read-ahead (asynchronous) can leave its pages
-    # resident, past the budget
-    torch_workers = settings["num_workers"] if plan.engine == "torch" else 0
-    maps = WorkerMaps(torch_workers) if reader is not None and reader.budget == "cache_limit" and torch_workers \
-        else None
+    maps = WorkerMaps.of(reader, settings["num_workers"] if plan.engine == "torch" else 0)
     data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate, maps) if packed \
         else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
