@@ -210,6 +210,24 @@ def test_damaged_bytes_are_one_line_naming_the_url_and_file(fmt, packs, tmp_path
 # --------------------------------------------------------------------------------------------------------------
 # Reading a dataset 8x larger than the cache
 # --------------------------------------------------------------------------------------------------------------
+def two_epochs_within_the_cache(loader, table: dict, server, cache: Path, limit: int, total: int) -> list[list[int]]:
+    """Two epochs of ``loader`` (a URL read a block at a time): each gives every sample once with its label, the
+    cache stays within its bound while it runs (sampled), and the server sends at most 1.1x the data an epoch;
+    the two orders differ. The orders, as sample indices."""
+    reader = loader.dataset.reader
+    block = int((reader.spans[:, 2] - reader.spans[:, 1]).max())
+    orders = []
+    for _ in range(2):
+        sent = server.sent
+        with CachePoll(cache) as poll:
+            orders.append(seen_indices(loader, table))
+        assert sorted(orders[-1]) == list(range(COUNT))
+        assert poll.most <= limit + WORKERS * block, (poll.most, limit, block)
+        assert server.sent - sent <= 1.1 * total, (server.sent - sent, total)
+    assert orders[0] != orders[1]
+    return orders
+
+
 @pytest.mark.parametrize("fmt", BLOCKED)
 def test_two_epochs_through_workers_every_sample_once_within_the_cache(fmt, packs, server, truth, tmp_path, capfd):
     total = data_bytes(packs, fmt)
@@ -218,24 +236,30 @@ def test_two_epochs_through_workers_every_sample_once_within_the_cache(fmt, pack
     ds = open_blocked(f"{server.url}/{fmt}", cache, limit)
     said = capfd.readouterr().err
     assert "a block at a time" in said and len(said.strip().splitlines()) == 1
-    block = int((ds.reader.spans[:, 2] - ds.reader.spans[:, 1]).max())
     # batches of 8: the fetch-ahead's share of the cache holds those in flight (with BATCH it says it does not)
     loader = packer.make_loader(ds, batch_size=BATCH // 2, num_workers=WORKERS, shuffle=True, seed=3)
     said = capfd.readouterr().err
     assert "shuffle='blocks'" in said and loader.sampler.shuffle == "blocks" and "wait on fetches" not in said
-    orders = []
-    for _ in range(2):
-        sent = server.sent
-        with CachePoll(cache) as poll:
-            orders.append(seen_indices(loader, truth[fmt]))
-        assert sorted(orders[-1]) == list(range(COUNT))
-        assert poll.most <= limit + WORKERS * block, (poll.most, limit, block)
-        assert server.sent - sent <= 1.1 * total, (server.sent - sent, total)
-    assert orders[0] != orders[1]
+    assert loader.plan.engine == "torch"  # raw images without one output size: torch's DataLoader workers
+    two_epochs_within_the_cache(loader, truth[fmt], server, cache, limit, total)
     in_order = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=False)
     assert seen_indices(in_order, truth[fmt]) == [truth[fmt][pixel_digest(ds[i][0])][0] for i in range(COUNT)]
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets: no open block, its own on first read
     assert copy.reader._blocks is None and pixel_digest(copy[5][0]) == pixel_digest(ds[5][0])
+
+
+@pytest.mark.parametrize("fmt", BLOCKED)
+def test_two_epochs_through_packer_s_pool_every_sample_once_within_the_cache(fmt, packs, server, tmp_path, capfd):
+    """The same through packer's worker pool, which decodes a dataset of one output size (a read-time crop, as
+    training reads): its workers map a batch's blocks before decoding it and the fetch-ahead lets them go then."""
+    total = data_bytes(packs, fmt)
+    limit, cache = total // 8, tmp_path / "cache"
+    crops = pixel_table(packer.open_dataset(packs / fmt, center_crop=8), COUNT)  # each local sample's crop
+    ds = open_blocked(f"{server.url}/{fmt}", cache, limit, center_crop=8)
+    capfd.readouterr()
+    loader = packer.make_loader(ds, batch_size=BATCH // 2, num_workers=WORKERS, shuffle="blocks", seed=3)
+    assert loader.plan.engine == "pool" and "wait on fetches" not in capfd.readouterr().err
+    two_epochs_within_the_cache(loader, crops, server, cache, limit, total)
 
 
 @pytest.mark.parametrize("fmt", BLOCKED)
