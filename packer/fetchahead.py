@@ -6,12 +6,11 @@ fetched and held (pinned in the cache), as many as fit in ``ahead`` of the large
 last block is often short: a WebDataset shard's tail), which the block size leaves room for: a batch needs its
 blocks until the caller has received it, or only until its worker has mapped them (packer's worker pool:
 :meth:`~packer.workers.WorkerPool.mapped_batches`; torch's DataLoader workers: :class:`WorkerMaps`), and each
-block goes once no batch needs it. Once every
-block of the pass is fetched or held, it fetches the blocks the next pass starts with (``then``: the next
-epoch's first batches, as the sampler will make them unless told otherwise) and holds them to the pass's end,
-so that the next epoch's first batches do not wait on requests. Up to ``FETCHERS`` of them are fetched at
-once, in the order they will be read, so that each request's latency overlaps the others' and the decoding, on
-threads the process keeps for every pass.
+block goes once no batch needs it. Once every block of the pass is fetched or held, it fetches the blocks the next
+pass starts with (``then``: the next epoch's first batches, as the sampler will make them unless told otherwise)
+and holds them to the pass's end, so that the next epoch's first batches do not wait on requests. Up to
+``FETCHERS`` of them are fetched at once, in the order they will be read, so that each request's latency overlaps
+the others' and the decoding, on threads the process keeps for every pass.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
 one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
 the caller drops the iterator, or when the loader starts another pass.
