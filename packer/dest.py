@@ -29,7 +29,7 @@ from .manifest import JOURNAL, MANIFEST
 PART_INFO = "part.json"  # distributed.PART_INFO: a finished rank's part
 PART_DIR = re.compile(r"part-\d{5}")
 PART = "part-{:05d}"  # rank r's part folder: PART.format(r), a PART_DIR name
-LOADER = "loader.json"  # loader.TUNED, written by `packer bench --tune`
+LOADER = "loader.json"  # loader_plan.TUNED, written by `packer bench --tune`
 SHOWN = 4  # unexpected entries named in a message before "and N more"
 
 

@@ -36,7 +36,6 @@ for the read-time view the dataset was opened with; an argument given explicitly
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import queue
 import random
@@ -53,14 +52,13 @@ from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
 from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
 from .fieldbatch import FieldBatch
-from .loader_plan import LoaderPlan, plan_loader
+from .loader_plan import TUNED, LoaderPlan, plan_loader, tuned_settings
 from .options import parse_bytes
 from .sampler import BLOCKS, ResumableSampler
 from .state import CountingIterator, Progress
 from .system import die_with_parent
 from .workers import WorkerPool
 
-TUNED = "loader.json"
 BLOCK_BYTES = 64 << 20  # shuffle="blocks": an LMDB or HDF5 block
 _log = logging.getLogger("packer.loader")
 
@@ -91,49 +89,6 @@ def seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
-
-
-TUNABLE = ("num_workers", "threads", "prefetch_factor", "pin_memory")  # loader settings only, never batch_size
-VIEW_KEYS = ("resize", "center_crop", "random_resized_crop", "flip", "decoder", "interpolation", "decode")
-
-
-def read_view(dataset: Any) -> dict[str, Any] | None:
-    """The read-time options a packed dataset was opened with (what each batch costs to make), as JSON values;
-    ``transform`` is recorded as whether there is one. None for datasets that are not packer's."""
-    if not isinstance(dataset, PackedDataset):
-        return None
-    view = {key: getattr(dataset, key, None) for key in VIEW_KEYS}
-    view["transform"] = dataset.transform is not None
-    return json.loads(json.dumps(view, default=str))
-
-
-def _describe_view(view: dict[str, Any]) -> str:
-    shown = [f"{k} {v}" for k, v in view.items() if v not in (None, False) and k not in ("decode", "interpolation")]
-    return ", ".join(shown) or "no read-time options"
-
-
-def tuned_settings(dataset: Dataset) -> dict[str, Any]:
-    """The loader settings ``packer bench --tune`` saved beside the dataset (``loader.json``): num_workers,
-    threads, prefetch_factor and pin_memory, never batch_size; {} if none, or (said in one line on stderr) if
-    they were tuned for another read-time view than the one ``dataset`` was opened with."""
-    root = getattr(dataset, "root", None)
-    path = root / TUNED if root is not None else None
-    if path is None or not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return {}
-    tuned_view = data.get("view")
-    view = read_view(dataset)
-    if tuned_view is not None and view is not None and tuned_view != view:
-        print(f"packer: not using the tuned loader settings in {path}: they were tuned for another view "
-              f"({_describe_view(tuned_view)}; this dataset: {_describe_view(view)}); run `packer bench --tune "
-              f"{root}` with this view to tune for it", file=sys.stderr)
-        return {}
-    loader = data.get("loader", {})
-    return {k: loader[k] for k in TUNABLE if isinstance(loader.get(k), (bool, int))
-            and (k == "pin_memory") == isinstance(loader.get(k), bool)}
 
 
 class PrefetchLoader(DataLoader):

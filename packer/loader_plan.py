@@ -14,11 +14,15 @@ The three engines:
 - ``"torch"``: torch's own DataLoader workers: other datasets, and packer's that the pool cannot serve.
 
 Why each default is what it is: docs/measurements.md, "Loader"; ``packer bench`` measures it on your machine.
+The settings ``packer bench --tune`` saved beside a dataset (``loader.json``) are read here too
+(:func:`tuned_settings`), for the read-time view they were tuned for (:func:`read_view`).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -163,7 +167,7 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
         prefetch_batches: ``make_loader``'s ``prefetch_batches``, or None.
         overrides: the DataLoader arguments the caller gave (``num_workers``, ``pin_memory``...), without
             packer's own ``collate_fn`` and ``worker_init_fn``.
-        tuned: the settings ``packer bench --tune`` saved (:func:`packer.loader.tuned_settings`), or None.
+        tuned: the settings ``packer bench --tune`` saved (:func:`tuned_settings`), or None.
         cores: the usable cores of this rank (default :func:`~packer.system.cores_per_rank`).
         cuda: whether CUDA is available (default: torch says).
 
@@ -241,3 +245,47 @@ def _prefetch(given: int | None, name: str, applied: Mapping[str, Any]) -> tuple
     if "prefetch_factor" in applied:
         return applied["prefetch_factor"], "tuned (loader.json)"
     return PREFETCH, "the default"
+
+
+TUNED = "loader.json"
+TUNABLE = ("num_workers", "threads", "prefetch_factor", "pin_memory")  # loader settings only, never batch_size
+VIEW_KEYS = ("resize", "center_crop", "random_resized_crop", "flip", "decoder", "interpolation", "decode")
+
+
+def read_view(dataset: Any) -> dict[str, Any] | None:
+    """The read-time options a packed dataset was opened with (what each batch costs to make), as JSON values;
+    ``transform`` is recorded as whether there is one. None for datasets that are not packer's."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    view = {key: getattr(dataset, key, None) for key in VIEW_KEYS}
+    view["transform"] = dataset.transform is not None
+    return json.loads(json.dumps(view, default=str))
+
+
+def _describe_view(view: dict[str, Any]) -> str:
+    shown = [f"{k} {v}" for k, v in view.items() if v not in (None, False) and k not in ("decode", "interpolation")]
+    return ", ".join(shown) or "no read-time options"
+
+
+def tuned_settings(dataset: Any) -> dict[str, Any]:
+    """The loader settings ``packer bench --tune`` saved beside the dataset (``loader.json``): num_workers,
+    threads, prefetch_factor and pin_memory, never batch_size; {} if none, or (said in one line on stderr) if
+    they were tuned for another read-time view than the one ``dataset`` was opened with."""
+    root = getattr(dataset, "root", None)
+    path = root / TUNED if root is not None else None
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    tuned_view = data.get("view")
+    view = read_view(dataset)
+    if tuned_view is not None and view is not None and tuned_view != view:
+        print(f"packer: not using the tuned loader settings in {path}: they were tuned for another view "
+              f"({_describe_view(tuned_view)}; this dataset: {_describe_view(view)}); run `packer bench --tune "
+              f"{root}` with this view to tune for it", file=sys.stderr)
+        return {}
+    loader = data.get("loader", {})
+    return {k: loader[k] for k in TUNABLE if isinstance(loader.get(k), (bool, int))
+            and (k == "pin_memory") == isinstance(loader.get(k), bool)}
