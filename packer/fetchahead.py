@@ -145,14 +145,11 @@ class WorkerMaps:
         spawning = multiprocessing.context.get_spawning_popen() is not None
         return {"slots": self.slots if spawning else None}
 
-    def note(self, reader: Any, indices: list[int]) -> None:
-        """In a worker: map the blocks of the batch ``indices`` and say so (nothing outside a worker)."""
-        import torch.utils.data  # torch is imported wherever a DataLoader runs; this module does not need it
-
-        info = torch.utils.data.get_worker_info()
-        if self.slots is not None and info is not None and info.id < len(self.slots) and len(indices):
+    def note(self, reader: Any, indices: list[int], worker: int) -> None:
+        """In DataLoader worker ``worker``: map the blocks of the batch ``indices`` and say so."""
+        if self.slots is not None and worker < len(self.slots) and len(indices):
             reader.map_blocks(indices)
-            self.slots[info.id] = int(indices[0])
+            self.slots[worker] = int(indices[0])
 
     def counter(self, indices: list[int], batch_size: int) -> Callable[[], int]:
         """For the pass ``indices`` (its batches of ``batch_size``, in order): a call giving how many of its first

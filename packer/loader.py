@@ -307,8 +307,9 @@ class BatchReads(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list | Crossed:
         try:
-            if self.maps is not None:
-                self.maps.note(self.dataset.reader, indices)
+            worker = torch.utils.data.get_worker_info() if self.maps is not None else None
+            if worker is not None:
+                self.maps.note(self.dataset.reader, indices, worker.id)
             return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
         except PackerError as exc:
             if torch.utils.data.get_worker_info() is None or not self.crossing:
