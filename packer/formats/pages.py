@@ -5,8 +5,8 @@ the kernel's page cache in the node cache's place.
 - :class:`LocalBlocks` is the block store: a block is read (``pread``) into the reading process's own memory and
   then advised out of the page cache (``POSIX_FADV_DONTNEED``), unless it was all cached before the read (the
   fetch-ahead thread read it ahead: the other workers reading it find it there, and the thread drops it once
-  every batch reading it was received); the fetch-ahead thread's :meth:`LocalBlocks.hold` asks the kernel to
-  read a block ahead (``POSIX_FADV_WILLNEED``) and its release drops it again. So the page
+  every batch reading it was received); the fetch-ahead thread's :meth:`LocalBlocks.hold` has the kernel read a
+  block ahead (:func:`read_ahead`) and its release drops it again (:func:`drop`). So the page
   cache holds about the blocks read ahead (at most ``page_budget``: :func:`~packer.formats.blocked.block_budget`
   sizes them), and each process holds the ``KEEP_BLOCKS`` blocks it keeps, in its own memory.
 - :class:`UncachedSource` reads a format's layout (its headers and indexes) the same way, leaving nothing cached.
@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..arguments import parse_bytes
 from ..errors import UsageError
 from ..manifest import read_local_manifest
@@ -37,6 +39,7 @@ from .layout import LocalSource
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DROP_EVERY = 256 << 10  # an uncached read drops what it read from the page cache this often (whole pages)
+READ_AHEAD_STEP = 128 << 10  # bytes a read-ahead advises at a time: within the kernel's smallest window
 
 
 def parse_page_budget(page_budget: int | str | None) -> int | None:
@@ -101,27 +104,78 @@ def _mincore() -> Any:
 
 def _resident(fd: int, start: int, end: int) -> bool:
     """Whether every page of bytes ``[start, end)`` of ``fd`` is in the page cache (False where mincore cannot
-    tell). A private map of the range is never written: mincore sees the file's cached pages."""
-    mincore, size = _mincore(), os.fstat(fd).st_size
-    low, end = start - start % _PAGE, min(end, size)
-    if mincore is None or end <= start:
-        return False
+    tell)."""
+    found = _cached_pages(fd, start, end)
+    return found is not None and bool(found[1].all())
+
+
+def _cached_pages(fd: int, start: int, end: int) -> tuple[int, np.ndarray] | None:
+    """The offset of the first page of bytes ``[start, end)`` of ``fd`` and, for each of the range's pages,
+    whether it is in the page cache (read: mincore does not count a page whose read is still in flight); None
+    where mincore cannot tell. A private map of the range is never written: mincore sees the file's cached pages."""
+    mincore, st = _mincore(), os.fstat(fd)
+    low, end = start - start % _PAGE, min(end, st.st_size)
+    if mincore is None or end <= start or not _may_see_pages(fd, st):
+        return None
     try:
         mapped = mmap.mmap(fd, end - low, offset=low, access=mmap.ACCESS_COPY)
     except (OSError, ValueError):
-        return False
+        return None
     try:
-        pages = -(-(end - low) // _PAGE)
-        vec = (ctypes.c_ubyte * pages)()
+        vec = (ctypes.c_ubyte * -(-(end - low) // _PAGE))()
         window = (ctypes.c_char * (end - low)).from_buffer(mapped)
         try:
             if mincore(ctypes.addressof(window), end - low, vec) != 0:
-                return False
+                return None
         finally:
             del window  # before the map closes: it exports its buffer
-        return all(v & 1 for v in vec)
+        return low, (np.frombuffer(vec, np.uint8) & 1).astype(bool)
     finally:
         mapped.close()
+
+
+def _may_see_pages(fd: int, st: os.stat_result) -> bool:
+    """Whether mincore tells this process which of ``fd``'s pages are cached: Linux tells one that owns the file
+    or may write it (root may), and says "not cached" for every page to any other."""
+    return st.st_uid == os.geteuid() or os.geteuid() == 0 or os.access(f"/proc/self/fd/{fd}", os.W_OK)
+
+
+def read_ahead(fd: int, start: int, end: int) -> None:
+    """Read bytes ``[start, end)`` of ``fd`` into the page cache, and return once they are there. The kernel's
+    read-ahead (``POSIX_FADV_WILLNEED``) reads at most its window a call (the device's ``read_ahead_kb`` or
+    largest I/O: the first 8 MB of a 64 MB block here), and returns before its reads are done: a drop
+    (``POSIX_FADV_DONTNEED``) meanwhile skips the pages still being read, which then stayed cached past the
+    budget. So the range is advised ``READ_AHEAD_STEP`` bytes at a time, then one byte of the last page of each
+    step is read (the read returns once that page's own read is done), without copying the range; twice more
+    for the pages still missing, where mincore tells. ``fd`` should read without read-ahead of its own
+    (:func:`_no_readahead`): the byte reads then bring in no page beyond their own."""
+    low, end = start - start % _PAGE, min(end, os.fstat(fd).st_size)
+    missing = np.arange(max(0, -(-(end - low) // _PAGE)))  # every page, the first time
+    for _ in range(3):
+        if not len(missing):
+            return
+        runs = np.split(missing, np.flatnonzero(np.diff(missing) != 1) + 1)
+        per_step = READ_AHEAD_STEP // _PAGE
+        steps = [(int(run[i]), int(run[min(i + per_step, len(run)) - 1])) for run in runs
+                 for i in range(0, len(run), per_step)]
+        for first, last in steps:
+            advise(fd, low + first * _PAGE, low + (last + 1) * _PAGE, "POSIX_FADV_WILLNEED")
+        for _, last in steps:
+            os.pread(fd, 1, low + last * _PAGE)
+        found = _cached_pages(fd, start, end)
+        if found is None:
+            return
+        missing = np.flatnonzero(~found[1])
+
+
+def drop(fd: int, start: int, end: int, tries: int = 3) -> None:
+    """Advise bytes ``[start, end)`` of ``fd`` out of the page cache, again while some page stays (the kernel
+    keeps a page another process is copying at that moment)."""
+    for _ in range(tries):
+        advise(fd, start, end, "POSIX_FADV_DONTNEED")
+        found = _cached_pages(fd, start, end)
+        if found is None or not found[1].any():
+            return
 
 
 def _no_readahead(fd: int) -> None:
@@ -154,7 +208,7 @@ class LocalBlocks:
 
     :meth:`open` reads a block into the calling process's memory (not a map) and drops it from the page cache:
     a reader keeps ``KEEP_BLOCKS`` blocks a process that way, in its own memory, outside the page cache's count.
-    :meth:`hold` (the fetch-ahead thread) asks the kernel to read the block ahead; its release drops it.
+    :meth:`hold` (the fetch-ahead thread) has the kernel read the block ahead; its release drops it.
 
     Args:
         root: the dataset folder.
@@ -172,13 +226,14 @@ class LocalBlocks:
         return memoryview(read_uncached(self.root / relpath, start, end))
 
     def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:
-        """Ask the kernel to read the block into the page cache now (``POSIX_FADV_WILLNEED``, asynchronous);
-        the returned call drops it (``POSIX_FADV_DONTNEED``). Never None: the loader holds no more blocks
+        """Have the kernel read the block into the page cache (:func:`read_ahead`: on a fetch thread, returning
+        once it is there); the returned call drops it (:func:`drop`). Never None: the loader holds no more blocks
         than the budget was cut for."""
         path = self.root / relpath
         fd = os.open(path, os.O_RDONLY)
         try:
-            advise(fd, start, end, "POSIX_FADV_WILLNEED")
+            _no_readahead(fd)  # the reads that wait for the read-ahead bring in no more than it does
+            read_ahead(fd, start, end)
         finally:
             os.close(fd)
 
@@ -186,7 +241,7 @@ class LocalBlocks:
             with contextlib.suppress(OSError):
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    advise(fd, start, end, "POSIX_FADV_DONTNEED")
+                    drop(fd, start, end)
                 finally:
                     os.close(fd)
 
