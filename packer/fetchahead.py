@@ -135,10 +135,10 @@ class WorkerMaps:
 
     @classmethod
     def of(cls, reader: Any | None, workers: int) -> WorkerMaps | None:
-        """For ``workers`` of torch's reading ``reader`` (a :func:`blocked_reader`, or None): a URL's only. With
-        ``page_budget`` the releases come sooner after the read-ahead, which is asynchronous, and can leave its
-        pages resident past the budget."""
-        return cls(workers) if reader is not None and reader.budget == "cache_limit" and workers > 0 else None
+        """For ``workers`` of torch's reading ``reader`` (a :func:`blocked_reader`, or None): a URL's, or a local
+        folder's within ``page_budget`` (whose hold returns once its block is read, so a release however soon
+        after drops all of it)."""
+        return cls(workers) if reader is not None and workers > 0 else None
 
     def __getstate__(self) -> dict:
         # shared memory travels to a worker as it is started (spawn, forkserver), never in another pickle
