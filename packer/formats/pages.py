@@ -149,6 +149,8 @@ def read_ahead(fd: int, start: int, end: int) -> None:
     step is read (the read returns once that page's own read is done), without copying the range; twice more
     for the pages still missing, where mincore tells. ``fd`` should read without read-ahead of its own
     (:func:`_no_readahead`): the byte reads then bring in no page beyond their own."""
+    if not hasattr(os, "posix_fadvise"):
+        return  # no advice (macOS): the readers read the block themselves
     low, end = start - start % _PAGE, min(end, os.fstat(fd).st_size)
     missing = np.arange(max(0, -(-(end - low) // _PAGE)))  # every page, the first time
     for _ in range(3):
