@@ -317,6 +317,7 @@ def test_two_processes_reading_one_url_share_the_cache(fmt, packs, server, truth
     for out, _ in outs:
         assert json.loads(out) == sorted(truth[fmt])
     assert server.sent - sent <= 1.25 * total, (server.sent - sent, total)  # each block about once, not twice
+    assert list((cache / "locks").iterdir()) == []  # each fetcher removed its lock file as it let go
 
 
 def test_s3_two_epochs_within_the_cache(packs, truth, tmp_path):

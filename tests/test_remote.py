@@ -4,6 +4,7 @@ dataset gives locally."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -353,6 +354,44 @@ def test_threads_of_one_process_make_room_one_at_a_time(tmp_path):
     for thread in threads:
         thread.join()
     assert len(seen) == 24 and max(seen) <= 1000 and cache.used() <= 1000
+
+
+def test_one_fetch_of_an_object_at_a_time_and_no_lock_file_left_behind(tmp_path):
+    """Eight threads (each its own open of the lock file, as processes have) want the same object; its first
+    fetcher fails, so a waiter must fetch it: never two at once, though each fetcher removes its lock file as it
+    lets go while the others wait on it. Once all are done, the cache holds no lock files (one per object ever
+    fetched would pile up over weeks of reading a block at a time)."""
+    cache = Cache(tmp_path / "cache")
+    guard, active, peak, calls = threading.Lock(), [0], [0], []
+
+    def fetch(blob: bytes, path: Path) -> None:
+        with guard:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            calls.append(blob)
+            first = calls.count(blob) == 1
+        time.sleep(0.02)
+        with guard:
+            active[0] -= 1
+        if first:
+            raise OSError("the first fetch of each object fails")
+        path.write_bytes(blob)
+
+    def get(blob: bytes, start: threading.Barrier, n: int) -> None:
+        start.wait()
+        time.sleep(0.005 * n)  # some wait on the first fetcher's lock file, some come after it was removed
+        with contextlib.suppress(OSError):
+            cache.obtain(hashlib.sha256(blob).hexdigest(), len(blob), lambda path: fetch(blob, path)).release()
+
+    for n in range(10):
+        blob, start = bytes([n]) * 100, threading.Barrier(8)
+        threads = [threading.Thread(target=get, args=(blob, start, k)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert calls.count(blob) == 2 and cache.pin(hashlib.sha256(blob).hexdigest()).path.read_bytes() == blob
+    assert peak[0] == 1 and list((tmp_path / "cache" / "locks").iterdir()) == []
 
 
 # --------------------------------------------------------------------------------------------------------------

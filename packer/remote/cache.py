@@ -11,7 +11,9 @@ Layout under the cache folder (``cache_dir``, else ``PACKER_CACHE_DIR``, else ``
                              evicted, never read) cost a folder made and removed per block and one scanned per
                              object at every fetch
     tmp/                     downloads in progress, under temporary names (renamed into objects/ when checked)
-    locks/<sha256>.lock      one per object: the process holding it is the only one fetching that object
+    locks/<sha256>.lock      one per object being fetched: the process holding it is the only one fetching
+                             that object; removed by that process as it lets go (a crashed fetcher's stays,
+                             empty, and is reused)
     views/s3/bucket/ds-<hash> one per URL: its manifest.json and links to the objects, a folder the readers open
 
 A process that uses an object holds a shared ``flock`` on it (a :class:`Pin`); eviction (least recently used
@@ -199,11 +201,27 @@ class Cache:
 
     @contextlib.contextmanager
     def _locked(self, path: str) -> Iterator[None]:
-        fd = _open(path, os.O_RDWR | os.O_CREAT)
+        """Hold the lock file ``path``, and remove it as it is let go (a cache read for weeks would otherwise
+        keep one per object it ever fetched). A waiter whose lock file was removed while it waited holds a lock
+        on a file no longer at ``path``: it tries again, on the file there (made anew by whoever came next)."""
+        while True:
+            fd = _open(path, os.O_RDWR | os.O_CREAT)
+            try:
+                lock_file(fd)
+                current = os.stat(path, follow_symlinks=False).st_ino  # this fd keeps its inode's number taken
+            except FileNotFoundError:
+                current = None
+            except BaseException:
+                _close(fd)
+                raise
+            if current == os.fstat(fd).st_ino:
+                break
+            _close(fd)
         try:
-            lock_file(fd)
             yield
         finally:
+            with contextlib.suppress(OSError):  # gone already, or a system that cannot remove an open file
+                os.unlink(path)
             _close(fd)
 
     @contextlib.contextmanager
