@@ -24,12 +24,11 @@ from pathlib import Path
 
 from .arguments import spelled
 from .errors import DestinationError
-from .manifest import JOURNAL, MANIFEST
+from .manifest import JOURNAL, MANIFEST, TUNED
 
 PART_INFO = "part.json"  # distributed.PART_INFO: a finished rank's part
 PART_DIR = re.compile(r"part-\d{5}")
 PART = "part-{:05d}"  # rank r's part folder: PART.format(r), a PART_DIR name
-LOADER = "loader.json"  # loader_plan.TUNED, written by `packer bench --tune`
 SHOWN = 4  # unexpected entries named in a message before "and N more"
 
 
@@ -94,7 +93,7 @@ def _unexpected_in(folder: Path, own: tuple[str, ...], parts: bool, prefix: str 
 def dataset_problems(dest: Path) -> list[str]:
     """Why the non-empty folder ``dest`` is not a packer dataset that ``--overwrite`` may replace; [] if it is."""
     found = []
-    own = (MANIFEST + ".tmp", JOURNAL + ".tmp", LOADER, LOADER + ".tmp")
+    own = (MANIFEST + ".tmp", JOURNAL + ".tmp", TUNED, TUNED + ".tmp")
     if _is_packer_manifest(dest / MANIFEST):
         own += (MANIFEST,)
     elif os.path.lexists(dest / MANIFEST):

@@ -52,7 +52,8 @@ from .dataset import PackedBatch, PackedDataset
 from .errors import Crossed, PackerError, UsageError, uncrossed
 from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
 from .fieldbatch import FieldBatch
-from .loader_plan import TUNED, LoaderPlan, plan_loader, tuned_settings
+from .loader_plan import LoaderPlan, plan_loader, tuned_settings
+from .manifest import TUNED
 from .options import parse_bytes
 from .sampler import BLOCKS, ResumableSampler
 from .state import CountingIterator, Progress

@@ -31,6 +31,7 @@ import torch
 
 from .dataset import PackedDataset
 from .fetchahead import blocked_reader
+from .manifest import TUNED
 from .system import cores_per_rank
 from .workers import default_start_method, shared_memory_free, slot_bytes
 
@@ -247,7 +248,6 @@ def _prefetch(given: int | None, name: str, applied: Mapping[str, Any]) -> tuple
     return PREFETCH, "the default"
 
 
-TUNED = "loader.json"
 TUNABLE = ("num_workers", "threads", "prefetch_factor", "pin_memory")  # loader settings only, never batch_size
 VIEW_KEYS = ("resize", "center_crop", "random_resized_crop", "flip", "decoder", "interpolation", "decode")
 

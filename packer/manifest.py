@@ -25,6 +25,7 @@ from .errors import IncompleteDatasetError, ManifestError
 
 MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
+TUNED = "loader.json"  # a dataset's tuned loader settings, written by `packer bench --tune`
 FORMAT_VERSION = 2  # the newest this packer reads; a dataset with "fields" is written as 2
 PLAIN_FORMAT_VERSION = 1  # an image-and-class dataset is still written as 1, which older packers read
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read (PACKER_MAX_MANIFEST_BYTES)

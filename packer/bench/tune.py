@@ -108,8 +108,8 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
     the read-time view it was measured on (:func:`packer.loader_plan.read_view`; make_loader applies it to that
     view only). Warns when the figures are noise (:func:`noise_warning`). Returns what was written."""
     from ..errors import warn
-    from ..loader_plan import TUNED, plan_loader, read_view
-    from ..manifest import write_json_atomic
+    from ..loader_plan import plan_loader, read_view
+    from ..manifest import TUNED, write_json_atomic
 
     dest = Path(dest)
     target = packed_target(dest, parse_size(read_resize), parse_size(read_crop))
