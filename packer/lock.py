@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .dest import PART_DIR
 from .errors import DestinationBusyError, DestinationError, warn
-from .system import lock_file, unlock_file
+from .system import file_is_at, lock_file, unlock_file
 
 SUFFIX = ".packer-lock"
 PART_SUFFIX = ".packer-part-lock"  # never the end of a DEST's lock name: DEST "x.part-00001" is not x's part
@@ -164,12 +164,8 @@ class OutputLock:
                 raise _busy(self.folder, holder, self.shown)
             # The previous holder removes the file when it releases: a file opened just before that is no
             # longer the lock file, so lock the one at the path now.
-            try:
-                here = os.stat(self.path)
-                if (here.st_dev, here.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
-                    return fd
-            except FileNotFoundError:
-                pass
+            if file_is_at(fd, self.path):
+                return fd
             os.close(fd)
 
     def release(self) -> None:

@@ -71,6 +71,17 @@ def process_context() -> BaseContext:
 
 
 
+def file_is_at(fd: int, path: str | os.PathLike) -> bool:
+    """Whether the file open as ``fd`` is still the one at ``path``, not removed or replaced since it was opened
+    (while ``fd`` is open, its inode's number is not reused): a lock file that its holder removes as it lets go
+    was locked in vain by a waiter that opened it before."""
+    try:
+        here, mine = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def lock_file(fd: int, exclusive: bool = True, blocking: bool = True) -> bool:
     """Lock the open file ``fd`` for this open file (``fcntl.flock`` on POSIX; on Windows ``msvcrt.locking`` of
     its first byte, always exclusive). The lock goes with the file's last close, and with the process.

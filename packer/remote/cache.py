@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..errors import RemoteError, UsageError
 from ..options import parse_bytes
-from ..system import default_cache_dir, lock_file, unlock_file
+from ..system import default_cache_dir, file_is_at, lock_file, unlock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 
@@ -191,7 +191,7 @@ class Cache:
         try:
             lock_file(fd, exclusive=False)
             # evicted between the open and the lock: the name no longer leads to the file this fd holds
-            if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+            if not file_is_at(fd, path):
                 raise FileNotFoundError(path)
             _touch(path)
         except OSError:
@@ -208,13 +208,10 @@ class Cache:
             fd = _open(path, os.O_RDWR | os.O_CREAT)
             try:
                 lock_file(fd)
-                current = os.stat(path, follow_symlinks=False).st_ino  # this fd keeps its inode's number taken
-            except FileNotFoundError:
-                current = None
             except BaseException:
                 _close(fd)
                 raise
-            if current == os.fstat(fd).st_ino:
+            if file_is_at(fd, path):
                 break
             _close(fd)
         try:
@@ -341,7 +338,7 @@ class Cache:
             _close(fd)
             return False
         try:
-            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+            if file_is_at(fd, path):
                 os.unlink(path)
                 if in_prefix:  # an older layout's emptied prefix folder goes too (under the eviction lock)
                     with contextlib.suppress(OSError):
