@@ -155,17 +155,17 @@ class OutputLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 locked = lock_file(fd, exclusive=True, blocking=False)
-            except BaseException:
+                # The previous holder removes the file when it releases: a file opened just before that is no
+                # longer the lock file, so lock the one at the path now.
+                if locked and file_is_at(fd, self.path):
+                    return fd
+            except BaseException:  # never keep a lock on a descriptor nobody holds: it would shut others out
                 os.close(fd)
                 raise
             if not locked:
                 holder = _holder(fd)
                 os.close(fd)
                 raise _busy(self.folder, holder, self.shown)
-            # The previous holder removes the file when it releases: a file opened just before that is no
-            # longer the lock file, so lock the one at the path now.
-            if file_is_at(fd, self.path):
-                return fd
             os.close(fd)
 
     def release(self) -> None:

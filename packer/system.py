@@ -70,7 +70,6 @@ def process_context() -> BaseContext:
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
-
 def file_is_at(fd: int, path: str | os.PathLike) -> bool:
     """Whether the file open as ``fd`` is still the one at ``path``, not removed or replaced since it was opened
     (while ``fd`` is open, its inode's number is not reused): a lock file that its holder removes as it lets go

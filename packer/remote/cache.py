@@ -208,11 +208,11 @@ class Cache:
             fd = _open(path, os.O_RDWR | os.O_CREAT)
             try:
                 lock_file(fd)
-            except BaseException:
+                if file_is_at(fd, path):
+                    break
+            except BaseException:  # never keep a lock others wait on while the error goes up
                 _close(fd)
                 raise
-            if file_is_at(fd, path):
-                break
             _close(fd)
         try:
             yield
