@@ -26,9 +26,9 @@ import numpy as np
 from PIL import Image
 
 import packer
-from packer.augment import MARGIN, resample_box, scaled_window, write_image
-from packer.sampler import EpochIndex
-from packer.transforms import to_pil
+from packer.images.transforms import to_pil
+from packer.loading.sampler import EpochIndex
+from packer.reading.augment import MARGIN, resample_box, scaled_window, write_image
 
 
 def per_image(fn, items) -> float:

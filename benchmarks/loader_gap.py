@@ -13,7 +13,7 @@ the fraction of the decode ceiling (``packer bench``'s, :func:`packer.bench.deco
 - ``loader threads``: an epoch of ``make_loader(ds, 64, num_workers=0)``: the in-process loader, decode threads,
   shuffled, prefetched in the background;
 - ``loader pool``: an epoch of ``make_loader(ds, 64)``: the default, packer's worker pool where it applies
-  (:mod:`packer.workers`), else the same as ``loader threads``.
+  (:mod:`packer.loading.workers`), else the same as ``loader threads``.
 
 Each figure is the median of ``--rounds`` rounds, the rounds of every layer interleaved, so that the host's
 drifting speed touches them all alike.
@@ -31,8 +31,8 @@ import simplejpeg
 
 import packer
 from packer.bench import decode_rates
-from packer.decoding import decode_buffer
 from packer.formats.base import Sample
+from packer.reading.decoding import decode_buffer
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from remote_support import fault_proxy, serve_files  # noqa: E402
+from support.remote import fault_proxy, serve_files  # noqa: E402
 
 from packer.bench.remote import bench_url, format_bench_url  # noqa: E402
 

@@ -17,7 +17,7 @@ import click
 
 from . import __version__, arguments
 from .errors import ManifestError, PackerError, UsageError
-from .options import click_options
+from .packing.options import click_options
 from .remote.url import parse_url
 
 
@@ -109,7 +109,7 @@ def pack(src, dest, quiet, **options) -> None:
 
     Started by torchrun (torchrun --nproc_per_node=K -m packer pack ...), every rank converts a part; DEST must
     then be on a filesystem every node shares. One process at a time writes DEST: a second fails at once."""
-    from .convert import pack as run_pack
+    from .packing.pack import pack as run_pack
 
     manifest = run_pack(src, dest, progress=not quiet, **options)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for every rank
@@ -219,7 +219,7 @@ def export(dest, out, overwrite, quiet) -> None:
     """Write the packed dataset DEST out as an image folder OUT/<class>/...: the stored bytes (the original files
     when stored original), raw pixels as lossless PNG. A dataset with fields: its images and OUT/annotations.csv,
     which packs back to the same samples."""
-    from .exporter import export as run_export
+    from .exports.folder import export as run_export
 
     result = run_export(dest, out, overwrite=overwrite, progress=not quiet)
     if "table" in result:

@@ -17,17 +17,17 @@ import os
 from typing import Any
 
 from . import arguments
-from .distribution import pip_hint
 from .errors import UsageError
+from .install_hints import pip_hint
 
 try:
     import lightning.pytorch as pl
 except ImportError:  # one line, not Lightning's traceback
     raise ImportError(f"packer.lightning needs Lightning, which is not installed: {pip_hint('lightning')}") from None
 
-from .dataset import PackedDataset, open_dataset
-from .loader import PrefetchLoader, make_loader
-from .sampler import EpochPass, ResumableSampler
+from .loading.loader import PrefetchLoader, make_loader
+from .loading.sampler import EpochPass, ResumableSampler
+from .reading.dataset import PackedDataset, open_dataset
 
 Dest = str | os.PathLike
 

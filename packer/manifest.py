@@ -4,7 +4,7 @@ It is plain JSON (nothing in it is evaluated). Top-level keys:
 
 ``format``, ``format_version``, ``packer_version``, ``created``, ``source`` (root, image count, bytes),
 ``count``, ``classes``, ``class_to_idx``, ``transform`` (store, resize, crop, normalize... see
-:class:`packer.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
+:class:`packer.images.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
 (shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
 and sha256), ``skipped`` (unreadable files with their error), ``hidden_skipped``, ``empty_classes``,
 ``scan_errors`` and ``options`` (the source and options of the conversion, which ``--resume`` on a finished
@@ -20,8 +20,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .distribution import pip_hint
 from .errors import IncompleteDatasetError, ManifestError
+from .install_hints import pip_hint
 
 MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
@@ -104,7 +104,7 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
             raise ManifestError(f"{where}: malformed entry in 'files'; the dataset is damaged, re-pack it")
     for check in _KEY_CHECKS:
         check(data, where)
-    from .transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
+    from .images.transforms import TransformSpec  # here, not at the top: `packer info` need not load Pillow otherwise
 
     try:
         spec = TransformSpec.from_dict(data["transform"])
@@ -117,7 +117,7 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
 def _check_geometry(data: dict, spec, where: str) -> None:
     """The manifest's ``shape`` and ``dtype`` as a reader may allocate from them: a shape is three positive
     ints, each side at most ``MAX_SIDE``, within ``max_pixels``, of the transform's channels."""
-    from .transforms import MAX_SIDE
+    from .images.transforms import MAX_SIDE
 
     shape = data.get("shape")
     if shape is not None:
@@ -171,7 +171,7 @@ def is_safe_relpath(name: object, normalized: bool = False) -> bool:
 def _is_image_folder(folder: Path) -> bool:
     """Whether ``folder`` looks like an image folder (``<class>/**/<image>``): no visible file beside its class
     folders, and an image in one of them."""
-    from .scan import is_image_file
+    from .images.transforms import is_image_file
 
     entries = [entry for entry in os.scandir(folder) if not entry.name.startswith(".")]
     if not entries or any(not entry.is_dir() for entry in entries):

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .decoding import Decoding
 from .errors import PackerError
 from .formats import Reader, open_reader
 from .manifest import label_bounds, read_local_manifest, sha256_file
+from .reading.decoding import Decoding
 from .remote import parse_url
 from .remote.cache import Cache
 from .remote.resolve import release, resolve

@@ -115,7 +115,7 @@ def trace_pack(root: Path, src: str) -> list[tuple[str, str]]:
     """The calls from one packer module into another while ``pack(src, ...)`` runs in one process, in the order
     they first happen, each ``(caller, called)`` pair once."""
     sys.path.insert(0, str(root))
-    import packer.convert
+    import packer.packing.pack
 
     seen: dict[tuple[str, str], None] = {}
 
@@ -130,7 +130,7 @@ def trace_pack(root: Path, src: str) -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory() as out:
         sys.setprofile(profile)
         try:
-            packer.convert.pack(src, Path(out) / "dest", "lmdb", workers=1, progress=False, distributed=False)
+            packer.packing.pack.pack(src, Path(out) / "dest", "lmdb", workers=1, progress=False, distributed=False)
         finally:
             sys.setprofile(None)
     return list(seen)
@@ -138,7 +138,7 @@ def trace_pack(root: Path, src: str) -> list[tuple[str, str]]:
 
 def report_trace(calls: list[tuple[str, str]], layer: dict[str, int]) -> None:
     """Print the modules the pack path enters and its calls that climb back up."""
-    entered = list(dict.fromkeys(["packer.convert", *(called for _, called in calls)]))
+    entered = list(dict.fromkeys(["packer.packing.pack", *(called for _, called in calls)]))
     print(f"pack path: enters {len(entered)} modules: {' '.join(m.removeprefix('packer.') for m in entered)}")
     up = [(a, b) for a, b in calls if layer.get(b, -1) > layer.get(a, -1)]
     for caller, called in up:

@@ -165,7 +165,7 @@ def quick_retries():
 def pack_once(tmp_path_factory):
     """``pack_once(src, fmt, store, **extra) -> Path``: ``src`` packed as ``fmt`` with the options of
     ``packed_support.STORES[store]`` (and ``extra``), once per test session."""
-    from packed_support import STORES
+    from support.packed import STORES
 
     import packer
 

@@ -12,34 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import imagefolder_reference, write_image
-from test_pack import FORMATS, check_packed, read_manifest, read_wds_tar
+from support.processes import assert_ok, assert_one_line_error
+from support.readers import FORMATS, check_packed, read_manifest, read_wds_tar
 
 import packer
 from packer.errors import UsageError
-
-
-def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if line.startswith("packer: error:")]
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *names, code: int | None = None) -> str:
-    """A failed command: non-zero exit, exactly one 'packer: error:' line naming ``names``, no traceback, and
-    nothing on stderr but packer's own lines."""
-    assert proc.returncode != 0, proc
-    if code is not None:
-        assert proc.returncode == code, proc
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
-    errors = error_lines(proc)
-    assert len(errors) == 1, proc.stderr
-    for name in names:
-        assert str(name) in errors[0], (name, errors[0])
-    assert all(line.startswith("packer: ") for line in proc.stderr.splitlines() if line.strip()), proc.stderr
-    return errors[0]
-
-
-def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 @pytest.fixture(scope="module")

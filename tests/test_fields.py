@@ -137,7 +137,7 @@ def test_stored_masks_decode_to_their_exact_values(pixels):
     from PIL import Image
 
     from packer.errors import ImageError
-    from packer.masks import decode_mask, mask_array
+    from packer.images.masks import decode_mask, mask_array
 
     values = np.random.default_rng(0).integers(0, np.iinfo(pixels).max, (37, 53), dtype=pixels)
     buf = io.BytesIO()
@@ -158,7 +158,7 @@ def test_tar_member_headers_parse_as_tarfile_reads_them(tmp_path):
     """packer's direct ustar parse gives tarfile's name and size for every header, and None for a damaged one."""
     import tarfile
 
-    from packer.formats.wds_members import member_header
+    from packer.formats.wds.members import member_header
 
     path = tmp_path / "t.tar"
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import snapshot, stored_samples, write_image
-from packed_support import hwc, psnr, reference
 from PIL import Image, ImageOps
+from support.packed import hwc, psnr, reference
 
 import packer
 from packer.cli import main as cli_main
@@ -226,7 +226,7 @@ def test_max_pixels_refuses_at_the_limit_and_honours_a_limit_above_pillows(tmp_p
 def test_a_process_forked_while_pillows_limit_is_lifted_decodes_with_the_limit_back(tmp_path):
     """Lifting Pillow's limit takes a lock: a DataLoader worker forked while another thread held it (here: this
     thread, at the moment of the fork) must neither wait for the lock forever nor keep Pillow's limit lifted."""
-    from packer import transforms
+    from packer.images import transforms
 
     data = write_image(tmp_path / "x.png", 64, 64).read_bytes()
     pillow_limit = Image.MAX_IMAGE_PIXELS

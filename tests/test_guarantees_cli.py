@@ -22,7 +22,7 @@ from PIL import Image
 import packer
 from packer.cli import main
 from packer.errors import DestinationError, ImageError, SourceError
-from packer.transforms import TransformSpec, convert_file
+from packer.images.transforms import TransformSpec, convert_file
 
 
 def one_error_line(stderr: str, *names: str) -> str:
@@ -343,7 +343,7 @@ def test_a_killed_worker_is_one_line_and_resume_continues(src, tmp_path):
     dest = tmp_path / "ds"
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from packer import sources
+        from packer.sources import detect as sources
         convert = sources.FolderSampleReader.convert
         parent = os.getpid()
 

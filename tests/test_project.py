@@ -127,7 +127,7 @@ def test_install_hints_name_the_distribution(pyproject):
     (another project on PyPI)."""
     name = pyproject["project"]["name"]
     assert name != "packer"
-    from packer.distribution import DIST_NAME, pip_hint
+    from packer.install_hints import DIST_NAME, pip_hint
 
     assert DIST_NAME == name
     assert pip_hint("s3") == f"pip install '{name}[s3]'"
@@ -193,7 +193,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_walk_sees_imports_inside_functions():
     graph = module_imports()
-    assert "packer.formats.base" in graph["packer.options"]  # imported inside functions only
+    assert "packer.formats.base" in graph["packer.packing.options"]  # imported inside functions only
     assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
@@ -211,17 +211,17 @@ def test_no_module_over_600_lines():
 # (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
 REMOTE_IMPORTERS = {
     "packer.cli": "its commands take URLs: parse_url tells them from folders, info reads a URL's manifest",
-    "packer.convert": "pack(): a URL SRC is fetched into the cache, a URL DEST is converted then uploaded",
-    "packer.upload": "uploads a finished conversion to a URL, manifest last",
-    "packer.dataset": "open_dataset(): a URL is fetched into the cache",
-    "packer.exporter": "export(): a URL is fetched into the cache",
-    "packer.hf": "to_hf(): a URL is fetched into the cache",
+    "packer.packing.pack": "pack(): a URL SRC is fetched into the cache, a URL DEST is converted then uploaded",
+    "packer.packing.upload": "uploads a finished conversion to a URL, manifest last",
+    "packer.reading.dataset": "open_dataset(): a URL is fetched into the cache",
+    "packer.exports.folder": "export(): a URL is fetched into the cache",
+    "packer.sources.hf": "to_hf(): a URL is fetched into the cache",
     "packer.verify": "verify(): a URL's objects are fetched afresh into a temporary cache and checked",
-    "packer.streaming": "stream(): a URL becomes its manifest and one Fetchable per shard, fetched when read",
+    "packer.loading.stream": "stream(): a URL becomes its manifest and one Fetchable per shard, fetched when read",
     "packer.bench.remote": "packer bench URL: counts the bytes and requests each epoch fetched",
 }
 # What packer/remote/ itself may import: it moves bytes, so nothing that converts, reads a format or checks one.
-REMOTE_USES = {"packer.errors", "packer.manifest", "packer.options", "packer.system", "packer.distribution"}
+REMOTE_USES = {"packer.arguments", "packer.errors", "packer.manifest", "packer.system", "packer.install_hints"}
 
 
 def is_remote(module: str) -> bool:
@@ -285,14 +285,14 @@ FORMATS_INTERFACE = {"packer.formats", "packer.formats.base"}
 FORMAT_IMPORTS_ALLOWED = {
     # LmdbDataset, Hdf5Dataset and WdsDataset are thin public subclasses that each name their reader class
     # (WdsDataset.from_shards calls WdsReader.from_shards); open_dataset itself goes through the registry
-    "packer.dataset": {"packer.formats.lmdb", "packer.formats.hdf5", "packer.formats.wds"},
+    "packer.reading.dataset": {"packer.formats.lmdb", "packer.formats.hdf5", "packer.formats.wds"},
 }
 # manifest keys a format adds, read only by its module (through the hooks: check_manifest, summary, merge_parts,
 # stream_files)
 FORMAT_MANIFEST_KEYS = {"shards"}
 # module -> how many times it may name such a key for something else, and why
 KEY_MENTIONS_ALLOWED = {
-    "packer/sources.py": 1,  # ShardsSource.kind = "shards": the kind of source (source_base.Source.kind)
+    "packer/sources/detect.py": 1,  # ShardsSource.kind = "shards": the kind of source (source_base.Source.kind)
 }
 
 
@@ -306,7 +306,7 @@ def test_format_modules_are_imported_inside_formats_only():
     registry's hooks instead. The allowed exceptions are listed above, each with its reason."""
     graph = module_imports()
     formats = format_modules(graph)
-    assert {"packer.formats.lmdb", "packer.formats.wds", "packer.formats.wds_members"} <= formats
+    assert {"packer.formats.lmdb", "packer.formats.wds", "packer.formats.wds.members"} <= formats
     found = {module: sorted(imported & (formats - FORMAT_IMPORTS_ALLOWED.get(module, set())))
              for module, imported in graph.items() if not module.startswith("packer.formats")}
     assert {module: names for module, names in found.items() if names} == {}
@@ -352,4 +352,4 @@ def test_one_resume_implementation():
                          if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
                 assert calls & {"check_state", "load_state_dict"}, f"{path}: load_state_dict checks states itself"
                 loaders.append(path.name)
-    assert {"sampler.py", "streaming.py", "loader.py"} <= set(loaders)
+    assert {"sampler.py", "stream.py", "loader.py"} <= set(loaders)

@@ -66,8 +66,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import run_peers  # noqa: E402 - beside this script
 import s3_lite  # noqa: E402 - beside this script
-from remote_support import S3Server, fault_proxy  # noqa: E402 - the tests' servers
 from s3_ranges import serve_ranges_at_their_cost  # noqa: E402 - beside this script
+from support.remote import S3Server, fault_proxy  # noqa: E402 - the tests' servers
 
 # tool -> (the peer whose venv it runs in, its adapter)
 TOOLS = {"packer": ("packer", "remote_packer.py"), "streaming": ("streaming", "remote_streaming.py"),

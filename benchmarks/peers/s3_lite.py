@@ -24,7 +24,7 @@ import urllib.parse
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from remote_support import Served
+from support.remote import Served
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ..distribution import DIST_NAME
 from ..errors import warn
+from ..install_hints import DIST_NAME
 
 COLOURS = ("tab:blue", "tab:orange")
 PIPELINE_LINES = {"val": "--", "train": ":"}

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..decoding import decode_buffer
 from ..formats.base import Sample
+from ..reading.decoding import decode_buffer
 from ..system import process_context, usable_cores
 from .cache import BLOCK, EVICTED_BELOW, evict, release_handles, resident_fraction
 from .targets import Target
@@ -81,8 +81,8 @@ def decode_like_reader(dataset: Any, payload: Any, index: int, out: np.ndarray |
                        decode_row: Any = None) -> np.ndarray:
     """What a reader does to one stored sample at read time (decode, resize/crop, write into its batch row),
     through the dataset's own decode path, with no read: the one place the benchmark calls it. With ``out``
-    that is what a batch read runs per row, :meth:`~packer.decoding.Decoding.row_decoder` (pass one in
-    ``decode_row`` to make it once); without, :meth:`~packer.decoding.Decoding.decode_array`. ``payload`` is
+    that is what a batch read runs per row, :meth:`~packer.reading.decoding.Decoding.row_decoder` (pass one in
+    ``decode_row`` to make it once); without, :meth:`~packer.reading.decoding.Decoding.decode_array`. ``payload`` is
     what ``raw_sample`` returns: encoded bytes, or the raw array."""
     shape = payload.shape if isinstance(payload, np.ndarray) else (0, 0, 0)
     sample = Sample(payload, 0, shape, None)

@@ -34,7 +34,7 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
                  seed: int = 0, **overrides: Any) -> tuple[Any, int]:
     """The loader every benchmark run reads through, and its decode threads per process: ``make_loader`` with
     every setting given, so that a ``loader.json`` beside the dataset does not apply. ``workers`` processes of
-    one decode thread each (packer's :class:`~packer.workers.WorkerPool` where it applies), or with 0 packer's
+    one decode thread each (packer's :class:`~packer.loading.workers.WorkerPool` where it applies), or with 0 packer's
     in-process loader (decode threads in the main process and a background thread ``prefetch_factor`` batches
     ahead).
 
@@ -51,7 +51,7 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
     Returns:
         The loader, and the decode threads each of its processes uses.
     """
-    from ..loader import make_loader
+    from ..loading.loader import make_loader
 
     kwargs: dict[str, Any] = {"num_workers": workers, **overrides}
     if workers > 0 and prefetch_factor:

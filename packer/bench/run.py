@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..errors import PackerError, UsageError
+from ..images.transforms import parse_size
 from ..system import usable_cores
-from ..transforms import parse_size
 from .limits import add_ceilings, interleaved_ceiling, measure_limits
 from .machine import load_average, load_text, machine_busy, machine_info
 from .measure import add_speedups, check_signature, measure, output_signature

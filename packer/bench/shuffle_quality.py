@@ -67,7 +67,7 @@ def sampler_labels(labels: Sequence[int] | np.ndarray, batch_size: int, shuffle:
     """The labels in the order ``make_loader(ds, batch_size, shuffle=..., seed=...)`` yields them in ``epoch``
     on one rank, without decoding an image (``labels``: the dataset's labels by index; ``blocks``, ``window``:
     ``shuffle="blocks"``'s)."""
-    from ..sampler import ResumableSampler
+    from ..loading.sampler import ResumableSampler
 
     sampler = ResumableSampler(len(labels), batch_size, shuffle=shuffle, seed=seed, num_replicas=1, rank=0,
                                blocks=blocks, window=window)
@@ -103,8 +103,8 @@ def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Seque
         One row per order: ``{"order", "mixing"}``, the packed order first (the worst case), then
         ``shuffle=True`` (a full permutation, the best an order can do), then each stream buffer.
     """
-    from ..dataset import open_dataset
-    from ..streaming import stream
+    from ..loading.stream import stream
+    from ..reading.dataset import open_dataset
 
     ds = open_dataset(wds_root)
     labels = np.asarray([ds.raw_sample(i)[1] for i in range(len(ds))], dtype=np.int64)
@@ -122,7 +122,7 @@ def measure_shuffle_quality(src: str | os.PathLike, work: str | os.PathLike, bat
                             progress: bool = False) -> dict[str, Any]:
     """Pack ``src`` into ``work`` as a small WebDataset in class order (jpeg, 32 px: only labels matter), then
     :func:`shuffle_quality` on it; ``packer bench``'s shuffle-quality section."""
-    from ..convert import pack
+    from ..packing.pack import pack
 
     dest = Path(work) / "shuffle-quality-wds"
     pack(src, dest, "wds", shuffle=False, store="jpeg", resize=32, center_crop=32, progress=progress)

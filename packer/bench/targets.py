@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PackerError, UsageError
-from ..transforms import STORES, as_pair, parse_size
+from ..images.transforms import STORES, as_pair, parse_size
 from .cache import dataset_files
 from .pipelines import open_train, train_size
 
@@ -96,16 +96,16 @@ class Target:
         if self.pipeline == "train":
             return open_train(self.dataset, self.root, train_size(self.read_resize, self.read_crop))
         if self.dataset == "folder":
-            from ..folder import FolderDataset
+            from ..reading.folder import FolderDataset
 
             return FolderDataset(self.root, decoder="pil", resize=self.read_resize, center_crop=self.read_crop)
-        from ..dataset import open_dataset
+        from ..reading.dataset import open_dataset
 
         return open_dataset(self.root, resize=self.read_resize, center_crop=self.read_crop)
 
 
 def folder_target(src: Path, read_resize: Size, read_crop: Size) -> Target:
-    from ..folder import FolderDataset
+    from ..reading.folder import FolderDataset
 
     ds = FolderDataset(src)
     files = [src / ds.relpath(i) for i in range(len(ds))]
@@ -134,7 +134,7 @@ def packed_target(dest: Path, read_resize: Size, read_crop: Size, conversion: di
 
 def pack_target(src: Path, work: Path, fmt: str, variant: Variant, source_bytes: int, read_resize: Size,
                 read_crop: Size, progress: bool) -> Target:
-    from ..convert import pack
+    from ..packing.pack import pack
 
     dest = work / f"{fmt}-{variant.slug}"
     t = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Importing this package imports every format module, which registers itself (:func:`register`); the order here
 is the order of :func:`format_names`. Nothing here imports torch: the torch Datasets over these readers are in
-:mod:`packer.dataset`.
+:mod:`packer.reading.dataset`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import hdf5  # noqa: F401
 from . import wds  # noqa: F401
 # isort: on
 from .blocked import BlockedReader, open_blocked
-from .pages import open_paged
+from .local_blocks import open_paged
 from .parts import PartedReader
 
 __all__ = ["BlockedReader", "PartedReader", "Reader", "Sample", "StreamSample", "Writer", "close_all", "foreign_reader",

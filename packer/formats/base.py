@@ -2,7 +2,7 @@
 
 A format module defines one subclass of each and registers them with :func:`register` (``formats/__init__.py``
 imports every format module, so importing :mod:`packer.formats` registers them all). The converter only talks
-to ``Writer``; the generic :class:`packer.dataset.PackedDataset`, ``verify``, ``export`` and the repack source
+to ``Writer``; the generic :class:`packer.reading.dataset.PackedDataset`, ``verify``, ``export`` and the repack source
 only to ``Reader``. Neither needs torch: ``packer pack``, ``info``, ``verify`` and ``export`` start without it.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import CorruptDataError, UsageError
 from ..fields import Field, extra_fields, fields_crc32, schema_of
+from ..images.transforms import Encoded, TransformSpec
 from ..manifest import add_key_check, label_bounds, read_local_manifest
-from ..transforms import Encoded, TransformSpec
 from .layout import Layout, RangeSource, join_rows
 
 
@@ -96,7 +96,7 @@ class StreamSample(NamedTuple):
 
 class Reader(ABC):
     """Reads the stored samples of one dataset: its manifest, its data files, and sample ``i`` as a
-    :class:`Sample`. No decoding (that is :class:`packer.decoding.Decoding`'s) and no torch.
+    :class:`Sample`. No decoding (that is :class:`packer.reading.decoding.Decoding`'s) and no torch.
 
     Nothing that cannot cross a fork or a pickle is opened in ``__init__``: each process opens its own handles
     on first use (:meth:`open`, checked by pid), and pickling drops them (the attributes named in ``HANDLES``).

@@ -38,8 +38,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..arguments import parse_bytes
 from ..errors import RemoteError, UsageError
-from ..options import parse_bytes
 from ..system import default_cache_dir, file_is_at, lock_file, unlock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")

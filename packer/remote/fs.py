@@ -10,8 +10,8 @@ import os
 import threading
 from typing import Any
 
-from ..distribution import pip_hint
 from ..errors import PackerError, UrlError
+from ..install_hints import pip_hint
 
 _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 _LOCK = threading.Lock()

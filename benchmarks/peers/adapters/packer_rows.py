@@ -68,7 +68,7 @@ def versions() -> dict[str, str]:
 
 def check(variant: Variant) -> None:
     """Training rows need packer's read-time RandomResizedCrop (issue 10); say so before packing anything."""
-    from packer.dataset import PackedDataset
+    from packer.reading.dataset import PackedDataset
 
     if variant.pipeline == "train" and not hasattr(PackedDataset, "augment_params"):
         raise NotImplementedError("not supported yet: this packer has no open_dataset(random_resized_crop=..., "

@@ -1,0 +1,280 @@
+"""``export()``: write a packed dataset back out as an image folder, ``OUT/<class>/.../<image>``.
+
+Each sample is written at its relative path (``OUT/<relpath>``), prefixed with its class folder where the path
+does not already start with it (samples repacked from WebDataset shards), so that ImageFolder and ``packer pack``
+read the same labels back. What is written is the stored bytes: the original files when the dataset stores
+``original`` (so export then pack gives byte-identical samples), the JPEG or PNG re-encodings otherwise (the
+extension changed to match where it did not), and for ``raw`` datasets a lossless PNG of the stored pixels
+(extension ``.png``). Every class gets its folder, even an empty one, so class indices survive the round trip.
+A renamed sample never takes the name of another (``x.jpg`` stored as PNG beside ``x.png`` becomes ``x.jpg.png``).
+
+OUT is written as a hidden sibling folder and renamed to OUT at the end, so a failed export leaves no
+half-written OUT. It may not be, hold or be inside the dataset or the folder it was packed from, and
+``overwrite`` replaces only a previous export: class folders holding nothing but image files
+(:func:`packer.packing.dest.export_problems`).
+
+A dataset with fields (packed from an annotation table or foreign shards) is exported as a table instead:
+``OUT/annotations.csv``, one row per sample, beside the images it names: the image at its relative path, each
+mask or second image at ``OUT/<field>/<relative path>`` (the stored bytes: masks stay lossless PNG), the class
+by name, numbers as they are (float32 values in the shortest text that reads back to the same float32), vectors
+and JSON as JSON text. ``packer pack OUT/annotations.csv NEW`` with the options the result's ``command`` gives
+packs it back to the same samples. A ``bytes`` field has no place in a CSV cell, and is refused.
+
+(The module is ``packer.exports.folder``, not ``packer.export``: a submodule of that name would shadow the
+``packer.export`` function once imported.)
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ..errors import CorruptDataError, DestinationError, PackerError
+from ..fields import NUMERIC, Field, decode, extra_fields, is_pair_schema, label_field, schema_of
+from ..formats import open_reader
+from ..formats.base import Reader
+from ..images.transforms import is_image_file, to_pil
+from ..manifest import is_safe_name, is_safe_relpath
+from ..packing.dest import check_output, export_problems, prepare_output
+from ..system import usable_cores
+
+SUFFIXES = {"jpeg": (".jpg", ".jpeg"), "png": (".png",), "raw": (".png",)}
+TABLE = "annotations.csv"
+
+
+def _partial_folder(out: Path) -> Path:
+    """A new folder beside OUT to export into, renamed to OUT at the end: a failure never leaves a half-written
+    OUT."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent))
+    except OSError as exc:
+        raise DestinationError(f"{out}: cannot create a folder beside it ({exc.strerror or exc}); choose another "
+                               "destination") from None
+
+
+def _check_out(out: Path, dest: Path, manifest: dict, overwrite: bool, files: tuple[str, ...] = ()) -> None:
+    """Refuse an OUT that export must not write: inside or around the dataset or its source folder, a link, or
+    (with ``overwrite``) a folder holding anything but what export writes. Deletes nothing."""
+    out_r = out.resolve()
+    for folder, what in ((dest, "the dataset"), (_source_root(manifest), "the dataset's source folder")):
+        if folder is None:
+            continue
+        folder_r = folder.resolve()
+        if out_r == folder_r or out_r.is_relative_to(folder_r) or folder_r.is_relative_to(out_r):
+            raise DestinationError(f"{out}: must not contain, or be inside, {what} {folder}; choose another "
+                                   "folder")
+    if out.is_symlink():
+        raise DestinationError(f"{out}: is a symbolic link; give the real folder, or a new one")
+    check_output(out, overwrite, lambda path: export_problems(path, is_image_file, files), "previous export")
+
+
+def _source_root(manifest: dict) -> Path | None:
+    root = (manifest.get("source") or {}).get("root") if isinstance(manifest.get("source"), dict) else None
+    return Path(root) if isinstance(root, str) and root else None
+
+
+def _unused_name(target: str, suffix: str, taken) -> str:
+    """A name for ``target`` re-encoded as ``suffix`` that no other sample uses: ``x.png``, else ``x.jpg.png``,
+    else ``x.jpg-2.png``..."""
+    candidates = itertools.chain([str(PurePosixPath(target).with_suffix(suffix)), target + suffix],
+                                 (f"{target}-{k}{suffix}" for k in itertools.count(2)))
+    return next(c for c in candidates if not taken(c))
+
+
+def _write(path: Path, data: bytes | np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, np.ndarray):
+        to_pil(data).save(path, "PNG")
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, workers: int | None = None,
+           progress: bool = True) -> dict[str, Any]:
+    """Write the packed dataset ``dest`` (any format) to the image folder ``out``; see the module docstring.
+    ``out`` must be new or empty, or an image folder (a previous export) with ``overwrite=True``. Returns
+    ``{"out", "count", "classes", "renamed"}`` (renamed: samples whose extension changed)."""
+    from ..remote import local_dataset  # a URL is resolved here, at the entry point
+
+    dest, out = Path(local_dataset(dest)), Path(out)
+    reader = open_reader(dest)
+    store = reader.spec.store
+    if reader.spec.normalize:
+        raise PackerError(f"{dest}: stores normalized {reader.spec.dtype} arrays, which are not images; export needs "
+                          "a dataset of pixels or encoded images")
+    schema = list(getattr(reader, "schema", None) or schema_of(reader.manifest))
+    if not is_pair_schema(schema):
+        return _export_table(reader, dest, out, schema, overwrite, progress)
+    classes = reader.classes
+    for name in classes:
+        if not is_safe_name(name):
+            raise CorruptDataError(f"{dest}: class name {name!r} cannot be a folder name; refusing to export")
+    _check_out(out, dest, reader.manifest, overwrite)
+    relpaths = [reader.relpath(i) for i in range(len(reader))]
+    kept = set(relpaths)  # the names samples keep: a renamed one must not take one of them
+    class_names = set(classes)
+
+    def taken(name: str) -> bool:
+        head, _, rest = name.partition("/")
+        return name in written or name in kept or (head in class_names and rest in kept)
+
+    workers = workers or usable_cores()
+    written: set[str] = set()
+    renamed = 0
+    partial = _partial_folder(out)
+    bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",
+               dynamic_ncols=True)
+    try:
+        for name in classes:
+            (partial / name).mkdir(exist_ok=True)
+        with ThreadPoolExecutor(workers, thread_name_prefix="packer-export") as pool:
+            pending: deque = deque()
+            for i, rel in enumerate(relpaths):
+                data, label = reader.raw_sample(i)  # checked, in this thread: format handles are not shared
+                if not 0 <= label < len(classes):
+                    raise CorruptDataError(f"{reader.describe(i)}: label {label} is not a class index; "
+                                           "run `packer verify`")
+                if not is_safe_relpath(rel, normalized=True):
+                    raise CorruptDataError(f"{reader.describe(i)}: relative path {rel!r} is absolute or has '..'; "
+                                           "refusing to export it")
+                target = rel if rel.split("/", 1)[0] == classes[label] and "/" in rel else f"{classes[label]}/{rel}"
+                allowed = SUFFIXES.get(store)
+                if allowed and PurePosixPath(target).suffix.lower() not in allowed:
+                    target = _unused_name(target, allowed[0], taken)
+                    renamed += 1
+                if target in written:
+                    raise PackerError(f"{reader.describe(i)}: two samples would be written to {out / target}; the "
+                                      "dataset holds the same relative path twice")
+                written.add(target)
+                pending.append(pool.submit(_write, partial / target, data))
+                if len(pending) >= 4 * workers:
+                    pending.popleft().result()
+                    bar.update()
+            while pending:
+                pending.popleft().result()
+                bar.update()
+        prepare_output(out, overwrite, lambda path: export_problems(path, is_image_file), "previous export")
+        os.replace(partial, out)  # onto the empty OUT
+    except OSError as exc:
+        raise PackerError(f"{out}: write failed ({exc.strerror or exc}); free space or fix permissions, then export "
+                          "again") from None
+    finally:
+        bar.close()
+        shutil.rmtree(partial, ignore_errors=True)  # gone already when the export succeeded
+    return {"out": str(out), "count": len(reader), "classes": len(classes), "renamed": renamed}
+
+
+def _cell(field: Field, value: object) -> str:
+    """A decoded field value as the table's text: what the table source reads back as the same value."""
+    if field.kind == "text":
+        return value
+    if field.kind == "json":
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    if field.kind in ("int64", "float32") or field.kind == "class":
+        arr = np.asarray(value)
+        items = arr.tolist()  # float32 -> the Python float of the same value: its repr reads back to it
+        return json.dumps(items) if arr.ndim else repr(items)
+    raise PackerError(f"field {field.name!r} holds {field.kind}, which a CSV cell cannot carry; read it with "
+                      "packer.open_dataset instead of exporting it")
+
+
+def _image_suffix(data: bytes) -> str:
+    """The file extension of encoded image bytes, from their signature."""
+    if data[:2] == b"\xff\xd8":
+        return ".jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return ".png"
+    return ".webp" if data[8:12] == b"WEBP" else ".png"
+
+
+def pack_command(out: Path, schema: list[Field]) -> str:
+    """The ``packer pack`` command that packs an exported table back to the same samples (each field's type
+    given, so that no value is typed from its text)."""
+    label = label_field(schema)
+    parts = ["packer", "pack", str(out / TABLE), "NEW"]
+    if label is not None:
+        parts += ["--label-column", label.name]
+    for field in extra_fields(schema):
+        size = "" if field.kind not in NUMERIC or field.shape == () else f"[{field.shape[0] if field.shape else ''}]"
+        parts += ["--field", f"{field.name}:{field.kind}{size}"]
+    return shlex.join(parts)
+
+
+def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], overwrite: bool,
+                  progress: bool) -> dict[str, Any]:
+    """Export a dataset with fields as images and ``annotations.csv`` (see the module docstring)."""
+    extras = extra_fields(schema)
+    label = label_field(schema)
+    for field in extras:
+        if field.kind == "bytes":
+            raise PackerError(f"{dest}: field {field.name!r} holds bytes, which a CSV cell cannot carry; read it "
+                              "with packer.open_dataset instead of exporting it")
+    _check_out(out, dest, reader.manifest, overwrite, (TABLE,))
+    columns = ["image", *([label.name] if label is not None else []), *(f.name for f in extras)]
+    partial = _partial_folder(out)
+    written: set[str] = set()
+    renamed = 0
+    bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",
+               dynamic_ncols=True)
+    try:
+        with open(partial / TABLE, "w", newline="", encoding="utf-8") as table:
+            rows = csv.DictWriter(table, columns)
+            rows.writeheader()
+            for i in range(len(reader)):
+                rel = reader.relpath(i)
+                if not is_safe_relpath(rel, normalized=True) or rel.split("/", 1)[0] in {f.name for f in extras}:
+                    raise CorruptDataError(f"{reader.describe(i)}: relative path {rel!r} is absolute, has '..' or "
+                                           "starts with a field's folder; refusing to export it")
+                data, stored_label = reader.raw_sample(i)
+                allowed = SUFFIXES.get(reader.spec.store)
+                target = rel
+                if allowed and PurePosixPath(rel).suffix.lower() not in allowed:
+                    target = _unused_name(rel, allowed[0], lambda name: name in written)
+                    renamed += 1
+                if target in written:
+                    raise PackerError(f"{reader.describe(i)}: two samples would be written to {out / target}; the "
+                                      "dataset holds the same relative path twice")
+                written.add(target)
+                _write(partial / target, data)
+                row = {"image": target}
+                if label is not None:
+                    if not 0 <= stored_label < len(reader.classes):
+                        raise CorruptDataError(f"{reader.describe(i)}: label {stored_label} is not a class index; "
+                                               "run `packer verify`")
+                    row[label.name] = reader.classes[stored_label]
+                raw = reader.read_fields(i)
+                for field in extras:
+                    if field.kind in ("mask", "image"):
+                        payload = bytes(raw[field.name])
+                        path = str(PurePosixPath(field.name) / PurePosixPath(rel).with_suffix(_image_suffix(payload)))
+                        _write(partial / path, payload)
+                        row[field.name] = path
+                    else:
+                        row[field.name] = _cell(field, decode(field, raw[field.name]))
+                rows.writerow(row)
+                bar.update()
+        prepare_output(out, overwrite, lambda path: export_problems(path, is_image_file, (TABLE,)),
+                       "previous export")
+        os.replace(partial, out)
+    except OSError as exc:
+        raise PackerError(f"{out}: write failed ({exc.strerror or exc}); free space or fix permissions, then export "
+                          "again") from None
+    finally:
+        bar.close()
+        shutil.rmtree(partial, ignore_errors=True)
+    return {"out": str(out), "count": len(reader), "classes": len(reader.classes), "renamed": renamed,
+            "table": str(out / TABLE), "command": pack_command(out, schema)}

@@ -1,0 +1,291 @@
+"""How :func:`packer.make_loader` will read a dataset, decided in one place: :func:`plan_loader` returns a
+:class:`LoaderPlan` (the engine, its workers, decode threads, pinning and prefetch, and a short reason for each)
+that ``make_loader`` builds its loader from, that the loader keeps as ``loader.plan`` and logs, and that
+``packer bench`` prints.
+
+The three engines:
+
+- ``"pool"``: packer's :class:`~packer.loading.workers.WorkerPool`, worker processes decoding whole batches into shared
+  memory the main process owns (only the labels cross). For packer's datasets of one image shape without a
+  per-item transform, and no DataLoader setting the pool does not carry out.
+- ``"threads"``: the in-process loader: decode threads in the main process, a background thread ``prefetch``
+  batches ahead. ``num_workers=0``, ``threads=`` or ``prefetch_batches=`` ask for it; packer's datasets get it
+  where the pool would not serve them by default (one core, processes that do not fork, a small /dev/shm).
+- ``"torch"``: torch's own DataLoader workers: other datasets, and packer's that the pool cannot serve.
+
+Why each default is what it is: docs/measurements.md, "Loader"; ``packer bench`` measures it on your machine.
+The settings ``packer bench --tune`` saved beside a dataset (``loader.json``) are read here too
+(:func:`tuned_settings`), for the read-time view they were tuned for (:func:`read_view`).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..manifest import TUNED
+from ..reading.dataset import PackedDataset
+from ..system import cores_per_rank
+from .fetchahead import blocked_reader
+from .workers import default_start_method, shared_memory_free, slot_bytes
+
+Engine = Literal["pool", "threads", "torch"]
+PREFETCH = 4  # batches ahead: per worker process, or the in-process loader's background thread
+
+# the DataLoader settings packer's WorkerPool carries out itself; with any other (generator, pin_memory_device...)
+# the loader keeps torch's own workers
+POOL_SETTINGS = frozenset({"batch_size", "num_workers", "pin_memory", "collate_fn", "drop_last",
+                           "persistent_workers", "prefetch_factor", "worker_init_fn", "sampler", "batch_sampler",
+                           "multiprocessing_context", "timeout"})
+
+
+@dataclass(frozen=True)
+class LoaderPlan:
+    """How a loader reads: what :func:`plan_loader` decided, and why.
+
+    Attributes:
+        engine: ``"pool"`` (packer's worker processes), ``"threads"`` (decode threads in the main process) or
+            ``"torch"`` (torch's DataLoader workers).
+        workers: worker processes (0 for the in-process loader).
+        threads: decode threads per batch, in each process that decodes.
+        pin_memory: whether batches are asked for in pinned memory (it takes effect where CUDA is available).
+        prefetch: batches made ahead: per worker process, or by the in-process loader's background thread.
+        why: ``(setting, reason)`` for each of engine, workers, threads, pin_memory and prefetch.
+        tuned: the settings from ``loader.json`` (``packer bench --tune``) the plan uses, as ``(name, value)``
+            pairs (``dict(plan.tuned)``).
+    """
+
+    engine: Engine
+    workers: int
+    threads: int
+    pin_memory: bool
+    prefetch: int
+    why: tuple[tuple[str, str], ...]
+    tuned: tuple[tuple[str, Any], ...] = ()
+
+    def reason(self, setting: str) -> str:
+        """The reason given for ``setting`` (``"engine"``, ``"workers"``, ``"threads"``, ``"pin_memory"``,
+        ``"prefetch"``); "" if none."""
+        return dict(self.why).get(setting, "")
+
+    def __str__(self) -> str:
+        if self.engine == "threads":
+            how = f"threads: {_count(self.threads, 'decode thread')} in this process"
+        else:
+            kind = "packer's pool" if self.engine == "pool" else "torch's workers"
+            how = f"{self.engine}: {_count(self.workers, 'worker process', 'es')} ({kind}), " \
+                  f"{_count(self.threads, 'decode thread')} each"
+        per = " per worker" if self.workers else ""
+        pinned = "pinned" if self.pin_memory else "not pinned"
+        reasons = "; ".join(f"{setting}: {reason}" for setting, reason in self.why)
+        return f"{how}, prefetch {self.prefetch}{per}, {pinned} ({reasons})"
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}{'' if n == 1 else plural}"
+
+
+def applied_tuned(tuned: Mapping[str, Any], threads: int | None, prefetch_batches: int | None,
+                  overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The tuned settings an explicit argument does not override (an explicit argument always wins)."""
+    given = set(overrides) | {k for k, v in (("threads", threads), ("prefetch_batches", prefetch_batches))
+                              if v is not None}
+    if "prefetch_batches" in given or "prefetch_factor" in given:
+        given.add("prefetch_factor")
+    if "threads" in given or "prefetch_batches" in given:  # the in-process loader was asked for
+        given.add("num_workers")
+    if overrides.get("num_workers"):  # worker processes: tuned threads belong to the tuned in-process loader
+        given.add("threads")
+    return {k: v for k, v in tuned.items() if k not in given}
+
+
+def pool_refusal(dataset: Any, overrides: Mapping[str, Any]) -> str | None:
+    """Why packer's WorkerPool cannot make ``dataset``'s batches under the caller's DataLoader ``overrides``
+    (packer's own ``collate_fn`` and ``worker_init_fn`` left out of them); None when it can: a packer dataset of
+    decoded images of one shape without a per-item transform, workers kept across epochs, and no setting the
+    pool does not carry out."""
+    if not isinstance(dataset, PackedDataset):
+        return f"{type(dataset).__name__} is not a packer dataset"
+    extra = sorted(set(overrides) - POOL_SETTINGS)
+    if extra:
+        return f"{', '.join(extra)} given (the pool does not carry it out)"
+    for name in ("collate_fn", "worker_init_fn"):
+        if name in overrides:
+            return f"a {name} of your own"
+    if "persistent_workers" in overrides and not overrides["persistent_workers"]:
+        return "persistent_workers=False"
+    if dataset.transform is not None or dataset.target_transform is not None:
+        return "a per-item transform"
+    if not dataset.decode:
+        return "decode=False"
+    if dataset.batch_layout() is None:
+        return "images of varying size (no read-time crop)"
+    return None
+
+
+def _no_default_pool(dataset: PackedDataset, overrides: Mapping[str, Any], cores: int, batch_size: int,
+                     prefetch: int) -> str | None:
+    """Why ``dataset`` does not get packer's worker pool when ``num_workers`` is not given; None when it does: on
+    two or more cores, outside a daemonic process (which may not start any), where the pool serves the settings
+    asked for; where processes fork (spawn and forkserver re-import the main module, which a script must guard
+    with ``if __name__ == "__main__"``: a user who did not ask for processes keeps threads), and where /dev/shm
+    has room for the batches in flight (a container's is 64 MB by default; threads need none)."""
+    if cores < 2:
+        return "one usable core"
+    if multiprocessing.current_process().daemon:
+        return "a daemonic process may not start workers"
+    refusal = pool_refusal(dataset, overrides)
+    if refusal is not None:
+        return refusal
+    method = default_start_method()
+    if overrides.get("multiprocessing_context") is None and method != "fork":
+        return f"processes start by {method} here, which re-imports the main module"
+    free = shared_memory_free()
+    needed = 2 * (cores * prefetch + 2) * slot_bytes(dataset, batch_size)
+    if free is not None and free < needed:
+        return f"/dev/shm has {free >> 20} MB free, the pool's batches in flight need {needed >> 20} MB"
+    return None
+
+
+def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = None,
+                prefetch_batches: int | None = None, overrides: Mapping[str, Any] | None = None,
+                tuned: Mapping[str, Any] | None = None, cores: int | None = None,
+                cuda: bool | None = None) -> LoaderPlan:
+    """The loader :func:`packer.make_loader` makes for these arguments: engine, workers, threads, pinning and
+    prefetch, each with its reason. An argument given explicitly always wins over a tuned setting, and a tuned
+    setting over a default.
+
+    Args:
+        dataset: the dataset the loader reads.
+        batch_size: samples per batch.
+        threads: ``make_loader``'s ``threads`` (decode threads in the main process), or None.
+        prefetch_batches: ``make_loader``'s ``prefetch_batches``, or None.
+        overrides: the DataLoader arguments the caller gave (``num_workers``, ``pin_memory``...), without
+            packer's own ``collate_fn`` and ``worker_init_fn``.
+        tuned: the settings ``packer bench --tune`` saved (:func:`tuned_settings`), or None.
+        cores: the usable cores of this rank (default :func:`~packer.system.cores_per_rank`).
+        cuda: whether CUDA is available (default: torch says).
+
+    Returns:
+        The :class:`LoaderPlan`.
+    """
+    overrides = dict(overrides or {})
+    cores = cores_per_rank() if cores is None else cores
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    applied = applied_tuned(tuned or {}, threads, prefetch_batches, overrides)
+    packed = isinstance(dataset, PackedDataset)
+    why: dict[str, str] = {}
+    if threads is None and "threads" in applied and applied.get("num_workers", 0) == 0:
+        threads, why["threads"] = applied["threads"], "tuned (loader.json)"
+    elif threads is not None:
+        why["threads"] = "threads= given"
+    if "num_workers" in overrides or "num_workers" in applied or not packed:
+        workers, why["workers"] = _given(overrides, applied, "num_workers", cores, "one per usable core")
+        stopped = None
+    else:
+        stopped = _in_process(dataset, overrides, applied, cores, batch_size, threads, prefetch_batches,
+                              tuned_threads=why.get("threads", "").startswith("tuned"))
+        workers = 0 if stopped else cores
+        why["workers"] = "none: the main process decodes" if stopped else "one per usable core"
+    engine, why["engine"] = _engine(dataset, overrides, workers, stopped)
+    if threads is None:
+        threads = cores if workers == 0 and packed else 1
+        why["threads"] = "one per usable core" if workers == 0 and packed else "one per process"
+    pin, why["pin_memory"] = _given(overrides, applied, "pin_memory", cuda, "CUDA is available" if cuda else "no CUDA")
+    if workers == 0:
+        prefetch, why["prefetch"] = _prefetch(prefetch_batches, "prefetch_batches", applied)
+    else:
+        prefetch, why["prefetch"] = _prefetch(overrides.get("prefetch_factor"), "prefetch_factor", applied)
+        if why["prefetch"] == "the default" and blocked_reader(dataset) is not None:
+            prefetch, why["prefetch"] = 1, ("read a block at a time: the blocks of the batches in flight are "
+                                            "held out of those fetched ahead")
+    order = ("engine", "workers", "threads", "pin_memory", "prefetch")
+    return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order),
+                      tuple(applied.items()))
+
+
+def _given(overrides: Mapping[str, Any], applied: Mapping[str, Any], name: str, default: Any,
+           because: str) -> tuple[Any, str]:
+    """A setting from the caller's arguments, else the tuned ones, else ``default``; and which it was."""
+    if name in overrides:
+        return overrides[name], f"{name}= given"
+    if name in applied:
+        return applied[name], "tuned (loader.json)"
+    return default, because
+
+
+def _in_process(dataset: PackedDataset, overrides: Mapping[str, Any], applied: Mapping[str, Any], cores: int,
+                batch_size: int, threads: int | None, prefetch_batches: int | None, tuned_threads: bool) -> str | None:
+    """Why a packer dataset whose ``num_workers`` nobody gave decodes in the main process; None: it gets the pool."""
+    if threads is not None:
+        return "tuned threads (loader.json)" if tuned_threads else "threads= given"
+    if prefetch_batches is not None:
+        return "prefetch_batches= given"
+    factor = overrides.get("prefetch_factor") or applied.get("prefetch_factor", PREFETCH)
+    return _no_default_pool(dataset, overrides, cores, batch_size, factor)
+
+
+def _engine(dataset: Any, overrides: Mapping[str, Any], workers: int, stopped: str | None) -> tuple[Engine, str]:
+    """The engine for ``workers`` processes, and why (``stopped``: why a packer dataset has none by default)."""
+    if workers <= 0:
+        return "threads", stopped or ("num_workers=0 given" if "num_workers" in overrides
+                                      else "tuned num_workers=0 (loader.json)")
+    refusal = pool_refusal(dataset, overrides)
+    return ("torch", refusal) if refusal else ("pool", "images of one shape, decoded into shared memory")
+
+
+def _prefetch(given: int | None, name: str, applied: Mapping[str, Any]) -> tuple[int, str]:
+    if given is not None:
+        return given, f"{name}= given"
+    if "prefetch_factor" in applied:
+        return applied["prefetch_factor"], "tuned (loader.json)"
+    return PREFETCH, "the default"
+
+
+TUNABLE = ("num_workers", "threads", "prefetch_factor", "pin_memory")  # loader settings only, never batch_size
+VIEW_KEYS = ("resize", "center_crop", "random_resized_crop", "flip", "decoder", "interpolation", "decode")
+
+
+def read_view(dataset: Any) -> dict[str, Any] | None:
+    """The read-time options a packed dataset was opened with (what each batch costs to make), as JSON values;
+    ``transform`` is recorded as whether there is one. None for datasets that are not packer's."""
+    if not isinstance(dataset, PackedDataset):
+        return None
+    view = {key: getattr(dataset, key, None) for key in VIEW_KEYS}
+    view["transform"] = dataset.transform is not None
+    return json.loads(json.dumps(view, default=str))
+
+
+def _describe_view(view: dict[str, Any]) -> str:
+    shown = [f"{k} {v}" for k, v in view.items() if v not in (None, False) and k not in ("decode", "interpolation")]
+    return ", ".join(shown) or "no read-time options"
+
+
+def tuned_settings(dataset: Any) -> dict[str, Any]:
+    """The loader settings ``packer bench --tune`` saved beside the dataset (``loader.json``): num_workers,
+    threads, prefetch_factor and pin_memory, never batch_size; {} if none, or (said in one line on stderr) if
+    they were tuned for another read-time view than the one ``dataset`` was opened with."""
+    root = getattr(dataset, "root", None)
+    path = root / TUNED if root is not None else None
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    tuned_view = data.get("view")
+    view = read_view(dataset)
+    if tuned_view is not None and view is not None and tuned_view != view:
+        print(f"packer: not using the tuned loader settings in {path}: they were tuned for another view "
+              f"({_describe_view(tuned_view)}; this dataset: {_describe_view(view)}); run `packer bench --tune "
+              f"{root}` with this view to tune for it", file=sys.stderr)
+        return {}
+    loader = data.get("loader", {})
+    return {k: loader[k] for k in TUNABLE if isinstance(loader.get(k), (bool, int))
+            and (k == "pin_memory") == isinstance(loader.get(k), bool)}

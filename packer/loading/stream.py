@@ -1,0 +1,316 @@
+"""``packer.stream``: sequential reading of a packed dataset's WebDataset shards, resumable mid-epoch at any world
+size and number of workers.
+
+Each epoch has one global order of the samples, a pure function of ``(seed, epoch)``: the block-aware order of
+:mod:`packer.loading.block_order` over the shards, which visits the shards in a random order and mixes the samples of
+each ``window`` consecutive shards of it (without shuffle: the packed order). The ranks take it a step at a time
+(:func:`packer.loading.block_order.deal_steps`: each step, ``batch_size * world`` positions grouped by shard, so each
+rank reads its own shards, and every rank takes as many batches). A rank's batches go to its streams (one per worker
+process) in turn; a stream reads the shards its batches need from start to end, once each, keeping only those
+samples, and hands its batches out in order. The state is ``{epoch, samples_seen}``: the positions of the order
+taken by every rank so far, the same at any world size and number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .. import arguments
+from ..errors import PackerError, UsageError, carried, uncrossed
+from ..fields import Field
+from ..formats import Reader, StreamSample, reader_class
+from ..manifest import read_local_manifest
+from ..state import CountingIterator, Progress, StateSchema, check_state
+from ..system import die_with_parent, usable_cores
+from .block_order import block_order, deal_steps, layout
+from .fetchable import Fetchable, fetched
+from .sampler import EpochPass, distributed_rank_world
+from .stream_decode import StreamDecoder
+
+# a stream state counts the samples of one global order; version 1 counted batches per rank and worker
+STREAM_STATE_VERSION = 2
+# settings a stream state must share with the stream that loads it: they fix the order and the batches
+_MUST_MATCH = ("batch_size", "seed", "shuffle", "drop_last", "dataset_length", "window", "blocks")
+Shard = tuple[Path | Fetchable, int]  # a shard and its sample count
+
+
+def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader],
+                  wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+    """The samples of a shard, read sequentially by its format (:meth:`~packer.formats.Reader.stream_file`); a
+    remote shard from its cached copy, held only while it is read. Those ``wanted`` declines are None."""
+    with fetched(shard) as local:
+        yield from reader.stream_file(local, extras, shard, wanted)
+
+
+def shard_window(buffer: int, counts: Sequence[int]) -> int:
+    """How many consecutive shards of an epoch's shard order are mixed together: as many as hold ``buffer``
+    samples on average (at least one, at most all). ``counts``: the samples of each non-empty shard."""
+    total = sum(counts)
+    return max(1, min(len(counts), buffer * len(counts) // total)) if total else 1
+
+
+def _die_with_parent(worker_id: int) -> None:
+    """``worker_init_fn``: a streaming worker dies with the process that started it."""
+    die_with_parent()
+
+
+def rank_batches(plan: EpochPass) -> list[np.ndarray]:
+    """The sample indices of each batch a rank takes in a pass (``plan.blocks``: the first sample of each
+    shard). Shuffled: the block order of the shards with a window of ``plan.window``; else the packed order."""
+    if plan.per_rank == 0:
+        return []
+    if plan.shuffle:
+        order, place = block_order(plan.blocks, plan.length, plan.window, plan.seed, plan.epoch)
+    else:
+        order = np.arange(plan.length, dtype=np.int64)
+        place = np.repeat(np.arange(len(plan.blocks)), np.diff(np.append(plan.blocks, plan.length)))
+    taken = order[deal_steps(place, plan.start, plan.per_rank, plan.batch_size, plan.world, plan.rank)]
+    return [taken[k:k + plan.batch_size] for k in range(0, len(taken), plan.batch_size)]
+
+
+class ShardStreams(IterableDataset):
+    """This rank's batches for one pass; each worker process (or the main process) makes every ``workers``-th
+    one, reading the shards they need from start to end, each once: their samples' members, and only the
+    headers of the others'."""
+
+    def __init__(self, shards: list[Shard], decoder: StreamDecoder, *, reader: type[Reader]):
+        self.shards = shards  # the non-empty shards, in the manifest's order: the blocks of the order
+        self.decoder = decoder
+        self.reader = reader  # the format's reader class, whose stream_file reads a shard
+        self.extras = decoder.fields.extras  # the fields read from each sample's members beyond image and label
+        self.plan: EpochPass | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        batches = self._batches(rank_batches(self.plan)[worker::workers])
+        return batches if info is None else carried(batches)  # an error crosses to the caller as itself
+
+    def _batches(self, mine: list[np.ndarray]) -> Iterator[Any]:
+        uses = Counter(int(i) for batch in mine for i in batch)
+        held: dict[int, StreamSample] = {}
+        for batch in mine:
+            samples = []
+            for i in batch.tolist():
+                if i not in held:
+                    self._read(int(np.searchsorted(self.plan.blocks, i, side="right")) - 1, uses, held)
+                samples.append(held[i])
+                uses[i] -= 1
+                if not uses[i]:
+                    del held[i]
+            yield self.decoder.batch(samples, self.plan.epoch)
+
+    def _read(self, block: int, uses: Counter, held: dict[int, StreamSample]) -> None:
+        """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
+        shard, count = self.shards[block]
+        first, n = int(self.plan.blocks[block]), 0
+        for n, sample in enumerate(shard_samples(shard, self.extras, self.reader, lambda k: uses[first + k] > 0), 1):
+            if n > count or sample is None:  # the samples of other streams are skipped, not read
+                continue
+            key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
+            if key.isascii() and key.isdigit() and int(key) != first + n - 1:
+                raise PackerError(f"{shard}: holds sample {key} where the manifest's shard counts place sample "
+                                  f"{first + n - 1}; the dataset is damaged, run `packer verify`")
+            held[first + n - 1] = sample
+        if n != count:
+            raise PackerError(f"{shard}: holds {'more' if n > count else n} samples, the manifest says {count}; "
+                              "run `packer verify`")
+
+
+class StreamLoader:
+    """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
+    at the batch, at any world size and number of workers."""
+
+    def __init__(self, shards: list[Shard], settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *,
+                 reader: type[Reader]):
+        shards = [(shard, count) for shard, count in shards if count > 0]  # an empty shard is no block
+        counts = [count for _, count in shards]
+        self.starts = np.cumsum([0, *counts[:-1]], dtype=np.int64) if counts else np.zeros(0, np.int64)
+        self.rank, self.world = distributed_rank_world()
+        self.workers = settings["workers"]
+        self.settings = {key: settings[key] for key in ("batch_size", "seed", "shuffle", "drop_last",
+                                                        "dataset_length")}
+        self.settings.update(window=shard_window(buffer, counts), blocks=layout(self.starts))
+        self.dataset = ShardStreams(shards, decoder, reader=reader)
+        self.epoch, self.resume_at = 0, 0
+        self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
+
+    def _plan(self) -> EpochPass:
+        s = self.settings
+        return EpochPass(self.epoch, self.resume_at, self.world, self.rank, s["dataset_length"], s["batch_size"],
+                         s["seed"], s["shuffle"], s["drop_last"], self.starts, s["window"])
+
+    def __len__(self) -> int:
+        return self._plan().batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch``; a loaded mid-epoch position is kept only for its own epoch."""
+        if epoch != self.epoch:
+            self.resume_at = 0
+        self.epoch = epoch
+        self._received = None
+
+    def __iter__(self) -> Iterator[Any]:
+        plan = self._plan()
+        self.epoch, self.resume_at = plan.epoch + 1, 0
+        self._received = Progress(plan, plan.batches, plan.start)
+        self.dataset.plan = plan
+        return CountingIterator(self._handed_out(plan.batches), self._received)
+
+    def _handed_out(self, batches: int) -> Iterator:
+        workers = self.workers
+        loader = DataLoader(self.dataset, batch_size=None, num_workers=workers,
+                            prefetch_factor=4 if workers else None,
+                            worker_init_fn=_die_with_parent if workers else None)
+        for n, batch in enumerate(uncrossed(iter(loader))):
+            if n >= batches:
+                break
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{epoch, samples_seen (positions of the epoch's order every rank has taken together), world_size,
+        settings}``, JSON-serialisable. After an epoch's last batch it is the start of the next epoch."""
+        if self._received is None:
+            epoch, seen = self.epoch, self.resume_at
+        else:
+            progress = self._received
+            plan = progress.plan
+            epoch, seen = plan.epoch, plan.start + progress.received * plan.batch_size * plan.world
+            if progress.finished:
+                epoch, seen = epoch + 1, 0
+        return {"version": STREAM_STATE_VERSION, "kind": "stream", "epoch": epoch, "samples_seen": seen,
+                "world_size": self.world, **self.settings}
+
+    def _schema(self) -> StateSchema:
+        settings = {"kind": "stream", **{key: self.settings[key] for key in _MUST_MATCH}}
+        return StateSchema("stream", "samples_seen", self.settings["dataset_length"], settings,
+                           free=("world_size",), version=STREAM_STATE_VERSION)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration the rest of ``state``'s epoch, at this world size and number of workers.
+
+        Raises:
+            ValueError: (one line) not a stream state, one of an older packer (its epoch must restart), a damaged
+                one (a missing, unknown or mistyped key, each named), or one taken with other settings (it names
+                which).
+        """
+        if isinstance(state, dict) and state.get("kind") == "stream" and state.get("version") == 1:
+            raise ValueError(f"the stream state was saved by an older packer (version 1, counting batches per rank "
+                             f"and worker) and cannot resume exactly; restart its epoch: "
+                             f"loader.set_epoch({state.get('epoch')!r})")
+        self.epoch, self.resume_at = check_state(state, self._schema())
+        self._received = None
+
+
+def _check_cache_limit(cache_limit: int | str | None, sizes: list[int], streams: int) -> None:
+    """A URL's ``cache_limit`` must hold one shard per stream, the most ``stream`` holds at once: said at the call,
+    with the figure to pass, rather than by the first worker that cannot fetch its shard."""
+    from ..remote.cache import parse_limit
+
+    limit = parse_limit(cache_limit if cache_limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
+    need = streams * max(sizes, default=0)
+    if limit is not None and limit < need:
+        raise UsageError(f"cache_limit {limit:,} is below what packer.stream holds at once, one shard per worker "
+                         f"({streams} x {max(sizes):,} bytes): pass cache_limit={need} or more, or fewer num_workers")
+
+
+def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
+           seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000,
+           storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+           cache_limit: int | str | None = None, cache: bool = True,
+           fields: Sequence[str] | str | None = None, resize: int | str | None = None,
+           center_crop: int | str | None = None, interpolation: str = "bilinear", decoder: str = "auto",
+           random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+           ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False) -> StreamLoader:
+    """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW); a
+    dataset with other fields gives dict batches as :func:`packer.make_loader` does (images and masks stacked,
+    numbers stacked, text, JSON and variable-length vectors as lists), and ``fields=`` a tuple in that order.
+
+    Every sample comes once per epoch, in one global order fixed by ``(seed, epoch)``: the shards in a random
+    order, the samples of each window of consecutive shards (about ``buffer`` samples) mixed together. Under
+    ``torch.distributed`` the ranks take that order a step of ``batch_size * world size`` samples at a time, each
+    rank the samples of its own shards of the step, so that every rank takes as many batches (padded with the
+    epoch's first samples, as ``DistributedSampler`` does, unless ``drop_last``). The state is ``{epoch,
+    samples_seen}``: a stream saved at one world size and number of workers resumes exactly at any other.
+    Shards are read sequentially, each whole; a stream (worker process) reads the shards its batches need and
+    keeps only their samples, about ``buffer / (world size * workers)`` at a time.
+
+    Images decode through :func:`packer.open_dataset`'s decode path, straight into the batch tensor, with the same
+    read-time options: ``resize``/``center_crop`` (the same pixels as ``open_dataset``'s), or
+    ``random_resized_crop``/``flip`` drawn from ``(seed, epoch, index)``, where a packer-written sample's index is
+    its member key (``000000042`` is 42), so its window is ``open_dataset(..., seed=seed).augment_params(42,
+    epoch)``; a key that is not a number (shards of other tools) stands for the crc32 of its UTF-8 bytes
+    (:func:`packer.loading.stream_decode.key_index`). Mask and second-image fields get their image's geometry (masks by
+    nearest neighbour). Without them, images stored at varying sizes cannot be batched (a one-line error).
+
+    Args:
+        root: a dataset packed with ``--format wds``.
+        batch_size: samples per batch; each rank's last batch may be smaller, unless ``drop_last``.
+        shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (under
+            ``torch.distributed``, its batches dealt to the ranks in turn).
+        num_workers: worker processes, each making every ``num_workers``-th batch (default: the usable cores;
+            0: this process). A saved state resumes at any number.
+        seed: the shuffles' and the augmentation's seed, the same on every rank.
+        mode: the PIL mode images are decoded to.
+        drop_last: drop each rank's last partial batch (and never pad with repeated samples).
+        buffer: about how many samples are mixed together: the window is as many whole shards as hold that many
+            on average (at least one shard).
+        storage_options, cache_dir, cache_limit: for a URL ``root``: each shard is fetched into the cache when
+            its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
+            may be below the dataset's size (it must hold one shard per worker; room for a window's shards
+            fetches each once an epoch, less may fetch again the shards the workers share).
+        cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
+        fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
+        resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip: as
+            :func:`packer.open_dataset` takes them.
+
+    Raises:
+        ValueError: (one line) an argument of the wrong type or range, naming it.
+
+    Returns:
+        A :class:`StreamLoader`, with ``state_dict``/``load_state_dict`` to resume mid-epoch (a state of an
+        older packer's stream, version 1, is refused in one line: restart its epoch).
+    """
+    arguments.int_at_least("batch_size", batch_size, 1)
+    arguments.flag("shuffle", shuffle)
+    arguments.optional_int("num_workers", num_workers, 0)
+    arguments.seed("seed", seed)
+    arguments.flag("drop_last", drop_last)
+    arguments.int_at_least("buffer", buffer, 1)
+    if mode not in ("RGB", "L"):
+        raise UsageError(f"mode must be 'RGB' or 'L', not {mode!r}")
+    from ..remote import parse_url  # a URL is resolved here, to its manifest and a Fetchable per shard
+    from ..remote.resolve import remote_files
+
+    files = None
+    if parse_url(root) is not None:
+        manifest, files = remote_files(os.fspath(root), storage_options, cache_dir, cache_limit, cache)
+    else:
+        root = Path(root)
+        manifest = read_local_manifest(root)
+    reader = reader_class(manifest, f"{root}/manifest.json")
+    entries = reader.stream_files(manifest)
+    if not entries:
+        raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
+                          "dataset has none; read it with packer.open_dataset and packer.make_loader")
+    shards = [(files[path] if files is not None else root / path, count) for path, count in entries]
+    if sum(count for _, count in shards) != int(manifest["count"]):
+        raise PackerError(f"{root}/manifest.json: its shards hold {sum(count for _, count in shards)} samples, its "
+                          f"count says {manifest['count']}; the dataset is damaged, re-pack")
+    workers = usable_cores() if num_workers is None else num_workers
+    if files is not None and cache:
+        _check_cache_limit(cache_limit, [files[path].entry["bytes"] for path, _ in entries], max(workers, 1))
+    settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
+                "dataset_length": int(manifest["count"]), "workers": workers}
+    decoding = {"resize": resize, "center_crop": center_crop, "interpolation": interpolation, "decoder": decoder,
+                "random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip,
+                "seed": seed}
+    return StreamLoader(shards, settings, StreamDecoder(root, manifest, mode, fields, **decoding), buffer,
+                        reader=reader)

@@ -1,0 +1,434 @@
+"""The conversion engine: a :class:`Plan` (what every rank decides identically before converting), converting
+samples into a folder with its journal, and the manifest that describes the result.
+
+Worker processes read, decode, transform and encode images in fixed chunks; the main process writes them in
+order, so the output (samples, order, labels, bytes) does not depend on the number of workers. At most a few
+chunks per worker are in flight, so memory stays flat however large the dataset. :func:`packer.pack` runs it in
+one process; :mod:`packer.packing.ranks` runs it once per rank, on one part of the plan's order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import DestinationError, ImageError, NothingPackedError, PackerError, warn
+from ..fields import is_pair_schema
+from ..formats.base import Writer, get_format
+from ..images.transforms import TransformSpec
+from ..manifest import FORMAT_VERSION, PLAIN_FORMAT_VERSION
+from ..sources.base import SampleReader, Source
+from ..sources.detect import open_source
+from ..system import close_fds, die_with_parent, process_context, usable_cores
+from .dest import dataset_problems, prepare_output
+from .journal import save, write_failed
+from .lock import check_parts_free
+from .options import PackOptions
+
+CHUNK = 16
+
+
+def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
+    """Convert ``(position, source index)`` items; returns ``(position, relpath, label, Encoded or error,
+    extras)``."""
+    out = []
+    for position, index in items:
+        try:
+            relpath, label, encoded, extras = reader.convert(index, spec)
+            out.append((position, relpath, label, encoded, extras))
+        # errors travel as plain tuples: anything the pool cannot unpickle would hang it instead of failing
+        except ImageError as exc:
+            out.append((position, exc.path, -1, ("skip", exc.reason), ()))
+        except Exception as exc:  # a bug, not a bad image: the conversion stops and names the file
+            out.append((position, reader.name(index), -1, ("fail", f"{type(exc).__name__}: {exc}"), ()))
+    return out
+
+
+_READER: SampleReader | None = None  # the source's reader, in each worker process
+
+
+def _init_worker(reader: SampleReader, forked_from: list[ProcessPoolExecutor]) -> None:
+    global _READER
+    _ignore_sigint()
+    # A worker left blocked on the pool's queue outlives a killed converter (seen after a full disk, with Python
+    # 3.11's Pool) and keeps its stdout and stderr open, so whoever waits for the command's output waits forever:
+    # it closes the converter's ends of the queues (so that it reads their end of file), and is killed with it.
+    for pool in forked_from:
+        close_fds(_parent_fds(pool))
+    die_with_parent()
+    _READER = reader  # given once per worker (inherited through fork): chunks then carry only indices
+
+
+def _parent_fds(pool: ProcessPoolExecutor) -> list[int]:
+    """The descriptors of ``pool`` that only its owner uses: the writing end of the task queue and the reading
+    end of the results, and the pipes of the workers started before this one. A forked worker closes its copies
+    (read through the executor's attributes; none where a Python version names them otherwise)."""
+    fds = []
+    for queue, end in ((getattr(pool, "_call_queue", None), "_writer"), (getattr(pool, "_result_queue", None),
+                                                                         "_reader")):
+        conn = getattr(queue, end, None)
+        if conn is not None and not conn.closed:
+            fds.append(conn.fileno())
+    wakeup = getattr(getattr(pool, "_executor_manager_thread_wakeup", None), "_reader", None)
+    if wakeup is not None and not wakeup.closed:
+        fds.append(wakeup.fileno())
+    for process in list(getattr(pool, "_processes", {}).values()):
+        fds.append(process.sentinel)
+    return fds
+
+
+def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tuple]:
+    items, spec = args
+    return _convert_items(_READER, items, spec)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and ends the pool
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C noted while the pool is fed and read, and raised where the caller checks (the call it yields): a
+    KeyboardInterrupt raised inside the executor's ``submit`` can leave its work queue's lock held (CPython may
+    raise it between taking a lock and the ``with`` that releases it), and the shutdown that follows then waits
+    on that lock forever. Only in the main thread with Python's own handler in place; elsewhere Ctrl-C is left
+    as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: None
+        return
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+
+    def check() -> None:
+        if noted:
+            raise KeyboardInterrupt
+
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    check()  # a Ctrl-C after the last check
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything every rank decides identically before converting: the source, the transform, what the journal
+    and the manifest record, and the output order (source indices). Replaced (``dataclasses.replace``), never
+    changed."""
+
+    source: Source
+    options: PackOptions  # as given, with ``shuffle`` settled
+    writer_cls: type[Writer]
+    spec: TransformSpec
+    record: dict[str, Any]  # the conversion's "options" in the journal and manifest: what --resume compares
+    order: array  # array("q"): 8 bytes a sample, where a list of ints holds ~36
+    sizes: np.ndarray  # bytes of each source sample, by source index
+    shape: list[int] | None  # [H, W, C] when every sample has it
+
+    def estimate(self, indices: Sequence[int]) -> int:
+        """The bytes that converting these samples stores, roughly (LMDB map size, shard sizing)."""
+        spec = self.spec
+        if spec.store == "raw" and spec.fixed_shape:
+            return len(indices) * int(np.prod(spec.fixed_shape)) * np.dtype(spec.dtype).itemsize
+        total = int(self.sizes[np.asarray(indices, dtype=np.int64)].sum()) if len(indices) else 0
+        return total * (8 if spec.store == "raw" and self.source.stored != "raw" else 1)
+
+
+def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False) -> Plan:
+    """Open the source, settle the transform and the order.
+
+    Args:
+        src: what to convert (see :func:`packer.sources.detect.open_source`).
+        options: the conversion's options.
+        quiet: leave the warnings about the source to another rank.
+
+    Returns:
+        The plan.
+
+    Raises:
+        PackerError: a bad source or options (a :class:`packer.errors.UsageError` for bad options).
+    """
+    writer_cls, _ = get_format(options.format)
+    source = open_source(src, include_hidden=options.include_hidden, label_key=options.label_key,
+                         table=options.table, hf=options.hf)
+    spec = options.transform_spec(source.default_store, source.mode)
+    source.check(spec)
+    where = source.root if source.kind == "folder" else src
+    if source.hidden_skipped and not quiet:
+        warn(f"skipped {source.hidden_skipped} hidden files and folders in {where} (names starting with '.'); "
+             "pass --include-hidden to keep them")
+    for cls in source.empty_classes if not quiet else ():
+        warn(f"class {cls!r} has no images; it keeps its index {source.class_to_idx[cls]}")
+    if options.strict and source.errors:
+        rel, why = source.errors[0]
+        raise ImageError(source.where(rel), why)
+    if spec.normalize and not quiet:
+        per = np.dtype(spec.dtype).itemsize
+        warn(f"--normalize stores {spec.dtype} arrays: {per}x the bytes of raw uint8 and far more than JPEG")
+    shuffle = options.shuffle
+    if shuffle is None:  # WebDataset is read sequentially, so its order is the shuffle (unless it already is one)
+        shuffle = writer_cls.READ_IN_ORDER and not source.shuffled
+    options = replace(options, shuffle=bool(shuffle))
+    record = {"format": options.format, "transform": spec.to_dict(), "shuffle": options.shuffle,
+              "seed": options.seed, "shard_size": options.shard_size, "shard_samples": options.shard_samples,
+              "include_hidden": options.include_hidden, "strict": options.strict, "source": source.key,
+              "fingerprint": source.fingerprint()}
+    if options.label_key is not None:
+        record["label_key"] = options.label_key
+    if source.kind == "table":
+        record["table"] = options.table
+    if source.kind == "hf":
+        record["hf"] = options.hf
+    record = json.loads(json.dumps(record))  # as the journal will hold them: lists, not tuples
+    order = array("q", range(source.count))
+    if options.shuffle:
+        order = array("q", np.random.default_rng(options.seed).permutation(source.count).astype(np.int64).tobytes())
+    if not quiet:
+        for rel, why in source.errors:
+            warn(f"skipped {source.where(rel)}: {why}")
+    shape = list(spec.fixed_shape) if spec.fixed_shape else None
+    geometry = spec.resize or spec.max_size or spec.center_crop or spec.normalize
+    if shape is None and source.shape and not geometry and spec.mode == source.mode:
+        shape = list(source.shape)  # a repack that keeps the pixels keeps the source's fixed shape
+    return Plan(source, options, writer_cls, spec, record, order, source.sizes(), shape)
+
+
+def prepare_dest(dest: Path, plan: Plan) -> None:
+    """Make ``dest`` a new or empty folder for the conversion (with ``overwrite``, empty a packer dataset, unless
+    a rank of another conversion still writes one of its parts); called when there is nothing to resume.
+
+    Raises:
+        DestinationError: ``dest`` would hold or be inside the source, or cannot be used (nothing is deleted).
+        DestinationBusyError: a part folder in ``dest`` is being written.
+    """
+    if plan.options.resume:
+        warn(f"nothing to resume in {dest}; starting afresh")
+    problem = plan.source.dest_problem(dest)
+    if problem:
+        raise DestinationError(problem)
+    if plan.options.overwrite:
+        check_parts_free(dest)
+    prepare_output(dest, plan.options.overwrite, dataset_problems, "packer dataset")
+
+
+@dataclass
+class Converted:
+    """What :func:`convert_samples` wrote."""
+
+    count: int
+    extras: dict[str, Any]  # what the writer adds to the manifest: files, shards
+    skipped: list[dict]
+    resumed: bool
+
+
+def convert_samples(dest: Path, plan: Plan, indices: Sequence[int], journal: dict, resuming: bool, *,
+                    allow_empty: bool = False, key_offset: int = 0, progress: bool | None = None,
+                    desc: str | None = None, on_progress=None) -> Converted:
+    """Convert source samples ``indices``, in that order, into ``dest``, recording progress in its journal.
+
+    Args:
+        dest: the prepared folder (DEST, or a rank's part folder).
+        plan: the conversion's plan.
+        indices: source indices, in output order.
+        journal: the folder's journal (:func:`packer.packing.journal.resumable` or
+        :func:`packer.packing.journal.start`).
+        resuming: continue from the journal's last durable point.
+        allow_empty: keep a conversion where every image was skipped (one rank's part).
+        key_offset: number WebDataset keys from there (a rank's first output position).
+        progress: show a progress bar (default: the plan's option).
+        desc: the progress bar's label.
+        on_progress: called with the samples written after each chunk (a rank's liveness).
+
+    Returns:
+        What was written: the count, the writer's files, and the skipped images.
+
+    Raises:
+        NothingPackedError: no image could be read (unless ``allow_empty``).
+        PackerError: a write failed, a worker died, or an image failed with ``strict``.
+    """
+    writer_options = {"estimated_bytes": plan.estimate(indices), "shard_bytes": plan.options.shard_size,
+                      "shard_samples": plan.options.shard_samples, "classes": plan.source.classes,
+                      "key_offset": key_offset, "schema": plan.source.schema}
+    writer = plan.writer_cls(dest, plan.spec, len(indices), writer_options)
+    conversion = _Conversion(plan.source, dest, indices, plan.spec, writer, journal, plan.options.strict,
+                             plan.options.progress if progress is None else progress, desc, on_progress)
+    try:
+        conversion.restore(resuming)
+        conversion.run(plan.options.workers)
+        if writer.count == 0 and not allow_empty:
+            where = plan.source.root if plan.source.kind == "folder" else plan.record["source"]
+            raise NothingPackedError(f"{where}: none of the {len(indices)} images could be read; nothing was "
+                                     "packed")
+        extras = writer.close()
+    except BaseException as exc:
+        try:
+            writer.abort()
+        except OSError:
+            pass  # a full disk fails the final flush too; the journal still marks the last durable point
+        if isinstance(exc, OSError):  # from close(): finishing the data files
+            raise write_failed(dest, exc) from None
+        raise
+    skipped = [{"path": e["path"], "error": e["error"]} for e in conversion.skipped]
+    return Converted(writer.count, extras, skipped, conversion.resumed)
+
+
+def make_manifest(plan: Plan, count: int, extras: dict[str, Any], skipped: list[dict], resumed: bool,
+                  seconds: float) -> dict[str, Any]:
+    """The manifest of a finished conversion (see :mod:`packer.manifest`).
+
+    Args:
+        plan: the conversion's plan.
+        count: samples written.
+        extras: what the writer (or the merged parts) adds: ``files``, ``shards``.
+        skipped: images skipped while converting, ``{"path", "error"}`` each.
+        resumed: whether the conversion was resumed.
+        seconds: how long it took.
+
+    Returns:
+        The manifest, ready to write.
+    """
+    source, spec = plan.source, plan.spec
+    return {
+        "format": plan.options.format, "packer_version": __version__,
+        "format_version": PLAIN_FORMAT_VERSION if is_pair_schema(source.schema) else FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": {**source.describe(), "images": source.count,
+                   "bytes": int(plan.sizes.sum()) if spec.store != "raw" else None},
+        "count": count, "classes": source.classes, "class_to_idx": source.class_to_idx,
+        **({} if is_pair_schema(source.schema) else {"fields": [f.to_dict() for f in source.schema]}),
+        "store": spec.store, "transform": spec.to_dict(), "shape": plan.shape, "dtype": spec.dtype,
+        "order": {"shuffle": plan.options.shuffle, "seed": plan.options.seed}, "checksum": "crc32",
+        **extras,
+        "skipped": [{"path": rel, "error": why} for rel, why in source.errors] + skipped,
+        "hidden_skipped": source.hidden_skipped, "empty_classes": source.empty_classes,
+        "conversion_seconds": round(seconds, 3), "resumed": resumed,
+        "options": plan.record,  # what --resume compares, once the dataset is finished
+    }
+
+
+class _Conversion:
+    """Runs the workers and the writer, and keeps the journal that makes the conversion resumable.
+
+    The journal (``.packer-in-progress``) records, each time the writer makes its output durable, how many
+    samples it holds, the source position to continue from, and the images skipped so far."""
+
+    def __init__(self, source: Source, dest: Path, indices: Sequence[int], spec: TransformSpec, writer,
+                 journal: dict, strict: bool, progress: bool, desc: str | None = None, on_progress=None):
+        self.source, self.dest, self.indices, self.spec = source, dest, indices, spec
+        self.writer, self.journal, self.strict, self.progress = writer, journal, strict, progress
+        self.desc = desc or f"packing {writer.format}"
+        self.on_progress = on_progress  # called with the samples written after each chunk (distributed liveness)
+        self.skipped: list[dict] = []
+        self.start = 0
+        self.resumed = False
+        # the samples not yet durable: their count after writing and source position, 16 bytes each (tuples of
+        # ints were ~150 and, for a writer that is durable only at the end, held for every sample of the run)
+        self.pending_counts, self.pending_positions = array("q"), array("q")
+
+    def restore(self, resuming: bool) -> None:
+        state = self.journal.get("writer")
+        kept = self.writer.restore(state) if state is not None else 0
+        self.resumed = resuming
+        if kept == 0:
+            if resuming:
+                warn(f"{self.dest}: no finished part to keep ({self.writer.format} keeps "
+                     f"{self.writer.RESUMES_FROM}); converting again from the first image")
+            return
+        self.start = self.journal["position"]
+        self.skipped = list(self.journal["skipped"])
+        print(f"packer: resuming {self.dest} after {kept} samples", file=sys.stderr)
+
+    def _checkpoint(self, durable: int) -> None:
+        done = bisect.bisect_right(self.pending_counts, durable)  # counts only grow
+        if done == 0:
+            return
+        position = self.pending_positions[done - 1] + 1
+        del self.pending_counts[:done], self.pending_positions[:done]
+        self.journal.update(position=position, writer=self.writer.state(),
+                            skipped=[e for e in self.skipped if e["position"] < position])
+        save(self.dest, self.journal)
+
+    def consume(self, results: list[tuple]) -> None:
+        for position, relpath, label, item, extras in results:
+            if isinstance(item, tuple):
+                kind, reason = item
+                if kind == "fail":
+                    raise PackerError(f"{self.source.where(relpath)}: unexpected error while converting ({reason}); "
+                                      "please report it")
+                if self.strict:
+                    raise ImageError(self.source.where(relpath), reason)
+                warn(f"skipped {self.source.where(relpath)}: {reason}")
+                self.skipped.append({"path": relpath, "error": reason, "position": position})
+                continue
+            durable = self.writer.write(label, relpath, item, extras)
+            self.pending_counts.append(self.writer.count)
+            self.pending_positions.append(position)
+            if durable is not None:
+                self._checkpoint(durable)
+        self.bar.update(len(results))
+        if self.on_progress is not None:
+            self.on_progress(self.writer.count)
+
+    def run(self, workers: int | None) -> None:
+        workers = usable_cores() if workers is None else max(1, workers)
+        reader = self.source.reader()
+        chunks = (list(enumerate(self.indices[i:i + CHUNK], start=i))  # made as submitted: memory stays flat
+                  for i in range(self.start, len(self.indices), CHUNK))
+        self.bar = tqdm(total=len(self.indices), initial=self.start, unit="img", disable=not self.progress,
+                        file=sys.stderr, dynamic_ncols=True, desc=self.desc)
+        try:
+            if workers == 1:
+                for chunk in chunks:
+                    self.consume(_convert_items(reader, chunk, self.spec))
+                return
+            ctx = process_context()
+            forked_from: list[ProcessPoolExecutor] = []  # the pool, in each forked worker's copy of memory
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(reader, forked_from))
+            if ctx.get_start_method() == "fork":
+                forked_from.append(pool)  # before the first worker forks (at the first submit)
+            try:
+                pending: deque = deque()
+                window = 4 * workers  # chunks in flight: bounds memory whatever the dataset size
+                with _ctrl_c_between_steps() as check:
+                    for chunk in chunks:
+                        check()
+                        pending.append(pool.submit(_convert_chunk, (chunk, self.spec)))
+                        if len(pending) >= window:
+                            self.consume(pending.popleft().result())
+                    while pending:
+                        check()
+                        self.consume(pending.popleft().result())
+            except BaseException:
+                # Cancel what has not started and let each worker finish its chunk (a fraction of a second).
+                # Killing workers instead can leave one dead in the middle of writing its result, and then
+                # multiprocessing.Pool's terminate(), or the executor's exit hook, waits on that pipe forever.
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            pool.shutdown()
+        except BrokenProcessPool:
+            raise PackerError(f"{self.dest}: a conversion worker process died (killed, out of memory?); run the same "
+                              "command with --resume to continue, with fewer --workers if memory is short") from None
+        except OSError as exc:
+            raise write_failed(self.dest, exc) from None
+        finally:
+            self.bar.close()

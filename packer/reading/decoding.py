@@ -1,0 +1,388 @@
+"""The read-time decode path every packed dataset shares: decoding, the read-time resize and crop, and the
+training augmentation (random resized crop and flip), from a :class:`~packer.formats.base.Sample` to an
+(H, W, C) array. No torch: ``packer verify --deep`` decodes through it too.
+
+:meth:`Decoding.decode_array` is the one entry point; :class:`packer.reading.dataset.PackedDataset` builds on it (and
+adds tensors, batching and threads). Every format goes through it, so every format gives the same pixels for the same
+stored bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import simplejpeg
+
+from .. import arguments
+from ..errors import CorruptDataError, ImageError
+from ..formats.base import Reader, Sample
+from ..images.resample import resample
+from ..images.transforms import (
+    apply_geometry,
+    as_hwc,
+    as_pair,
+    center_box,
+    crop_slice,
+    decode,
+    jpeg_size,
+    open_image,
+    parse_size,
+    resize_crop,
+    to_pil,
+)
+from .augment import (
+    MARGIN,
+    Window,
+    crop_resize,
+    image_size,
+    pil_window,
+    resized_window,
+    sample_window,
+    scaled_box,
+    scaled_jpeg,
+    scaled_window,
+    uniform_stream,
+    write_image,
+)
+
+# Where decoded pixels should start: simplejpeg decodes fastest into rows a few bytes past a 64-byte boundary,
+# not on one (docs/measurements.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
+# shared memory on a page; numpy's arrays start wherever glibc puts them. Batches and scratch buffers start here.
+DECODE_OFFSET = 16
+DECODE_SLACK = 64  # bytes allocated beyond a buffer's size to move its start there
+
+
+def decode_start(address: int) -> int:
+    """Bytes to skip from ``address`` to the next address ``DECODE_OFFSET`` past a 64-byte boundary."""
+    return (DECODE_OFFSET - address) % DECODE_SLACK
+
+
+def decode_buffer(nbytes: int) -> np.ndarray:
+    """An uninitialised flat uint8 array of ``nbytes`` at a :func:`decode_start`. From numpy, which asks the
+    kernel for transparent huge pages for large arrays; torch's allocator does not, and decoding into torch's
+    memory was measurably slower (docs/measurements.md, "Decoding")."""
+    flat = np.empty(nbytes + DECODE_SLACK, np.uint8)
+    start = decode_start(flat.ctypes.data)
+    return flat[start:start + nbytes]
+
+
+_scratch = threading.local()  # each decode thread's buffer for a whole image it crops from
+
+
+def decode_scratch(nbytes: int) -> np.ndarray:
+    """This thread's scratch :func:`decode_buffer` of ``nbytes``, reused by the thread's next call: what is in
+    it must be copied out before then."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        _scratch.buffer = buffer = decode_buffer(nbytes)
+    return buffer[:nbytes]
+
+
+class Decoding:
+    """How samples of ``reader`` are decoded: the read-time geometry and augmentation (see
+    :class:`packer.reading.dataset.PackedDataset` for the arguments).
+
+    Args:
+        reader: the dataset's storage reader.
+        resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip, seed: as
+            :class:`packer.reading.dataset.PackedDataset` takes them.
+    """
+
+    def __init__(self, reader: Reader, resize: int | str | None = None, center_crop: int | str | None = None,
+                 interpolation: str = "bilinear", decoder: str = "auto",
+                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0):
+        self.reader = reader
+        self.spec = reader.spec
+        crop = parse_size(center_crop)
+        self.resize = parse_size(resize)
+        self.center_crop = as_pair(crop)
+        self.interpolation = interpolation
+        self.decoder = decoder
+        self.max_pixels = self.spec.max_pixels
+        if decoder not in ("auto", "fast", "pil"):
+            raise ValueError("decoder must be 'auto', 'fast' or 'pil'")
+        self.random_resized_crop = _height_width(random_resized_crop)
+        self.scale = arguments.crop_scale(scale)
+        self.ratio = arguments.crop_ratio(ratio)
+        self.flip = arguments.flag("flip", flip)
+        self.seed = arguments.seed("seed", seed)
+        self.epoch = 0
+        if self.random_resized_crop and (self.resize or self.center_crop):
+            raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
+        if (self.resize or self.center_crop or self.augments) and self.spec.normalize:
+            raise ValueError("read-time resize/crop/flip needs uint8 images; this dataset stores normalized floats")
+
+    @property
+    def augments(self) -> bool:
+        """Whether reading applies a random resized crop or flip."""
+        return bool(self.random_resized_crop or self.flip)
+
+    @property
+    def _is_raw(self) -> bool:
+        return self.reader.is_raw
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
+        from packer's samplers does, and wins)."""
+        self.epoch = int(epoch)
+
+    def augment_params(self, index: int, epoch: int | None = None) -> Window:
+        """The random resized crop window and flip of sample ``index`` in ``epoch`` (default: the index's
+        epoch, else :attr:`epoch`): ``(top, left, height, width, flipped)`` in the stored image's full-size
+        pixels. The whole image when there is no random resized crop.
+
+        Args:
+            index: the sample index.
+            epoch: the epoch; the same (seed, epoch, index) always gives the same window.
+
+        Returns:
+            a :class:`packer.reading.augment.Window` named tuple.
+        """
+        if epoch is None:
+            epoch = getattr(index, "epoch", self.epoch)
+        index = self.reader.check_index(index)
+        self.reader.open()
+        return self._window(index, self.reader.read(index), epoch)
+
+    def output_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, C) of every decoded image when it is fixed, else None."""
+        if self.random_resized_crop:
+            return *self.random_resized_crop, self.spec.channels
+        if self.center_crop:
+            return self.center_crop[1], self.center_crop[0], self.spec.channels
+        if isinstance(self.resize, tuple):
+            return self.resize[1], self.resize[0], self.spec.channels
+        shape = self.reader.manifest.get("shape")
+        return tuple(shape) if shape and not self.resize else None
+
+    def _full_size(self, index: int, sample: Sample) -> tuple[int, int]:
+        """(height, width) of the stored image from its index entry, or from its header (never by decoding)."""
+        if sample.shape[0] and sample.shape[1]:
+            return sample.shape[0], sample.shape[1]
+        size = image_size(sample.payload)
+        if size is None:  # a damaged header: decoding reports it with the sample's name
+            size = self._plain_array(index, sample).shape[:2]
+        return size
+
+    def _window(self, index: int, sample: Sample, epoch: int) -> Window:
+        height, width = self._full_size(index, sample)
+        return sample_window(height, width, self.scale, self.ratio, uniform_stream(self.seed, epoch, index),
+                             crop=self.random_resized_crop is not None, flip=self.flip)
+
+    # -- the decode path -------------------------------------------------------------------------------------------
+    def decode_array(self, index: int, sample: Sample, out: np.ndarray | None = None, epoch: int = 0) -> np.ndarray:
+        """The sample as an (H, W, C) array with the read-time resize/crop or augmentation of ``epoch`` applied,
+        written into ``out`` when given (JPEGs decode straight into it). Without ``out`` it may be a read-only
+        view of the stored data."""
+        if not self.augments:
+            return self._plain_array(index, sample, out)
+        window = self._window(index, sample, epoch)
+        if self.random_resized_crop is not None:
+            return self._resized_crop(index, sample, window, out)
+        image = self._plain_array(index, sample)  # flip only, after any resize/crop
+        if out is not None and image.shape[:2] != out.shape[:2]:
+            raise CorruptDataError(f"{self.reader.describe(index)}: image is {image.shape}, the dataset says "
+                                   f"{out.shape}; re-pack or pass resize/center_crop")
+        return write_image(image, window.flipped, out)
+
+    def row_decoder(self) -> Callable[[int, Sample, np.ndarray, int], np.ndarray]:
+        """:meth:`decode_array` for the rows of a batch, chosen once per batch rather than per image: the first
+        of :data:`ROW_DECODERS` that serves this decoding, else :meth:`decode_array` itself. Each is the call to
+        simplejpeg and a slice copied, for a case that is common and simple (JPEGs stored at the output size, or
+        at the read-time resize with a centre crop to do): per-image Python holds the GIL that the other decode
+        threads need, and :meth:`decode_array`'s general checks are a noticeable part of a 224 px decode
+        (docs/measurements.md). Anything they do not decode exactly (another format or size, a damaged file)
+        goes to :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
+        chosen = next((kind for kind in ROW_DECODERS if kind.serves(self)), None)
+        return chosen(self) if chosen is not None else self.decode_array
+
+    def _resized_crop(self, index: int, sample: Sample, window: Window, out: np.ndarray | None) -> np.ndarray:
+        """The window resampled to the output size and mirrored when flipped, written into ``out`` when given:
+        exactly torchvision's ``resized_crop`` then ``hflip`` on the decoded image (decoder pil), or the fast
+        path (auto/fast): JPEGs decoded at a reduced DCT scale, OpenCV's resampler, within 30 dB of Pillow's."""
+        name = self.reader.describe(index)
+        size = self.random_resized_crop
+        full = self._full_size(index, sample)
+        fast = self.decoder != "pil"
+        if fast and not self._is_raw:
+            arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
+                data, self.spec.mode, full, window, size, self.interpolation, out))
+            if arr is not None:
+                return arr
+        if self._is_raw or fast:
+            arr = self.reader.stored_array(index, sample) if self._is_raw else decode(sample.payload, self.spec.mode,
+                                                                                     name, self.max_pixels)
+            decoded = arr.shape[:2]
+        else:
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            decoded = (img.height, img.width)
+        if decoded != full:
+            raise CorruptDataError(f"{name}: image is {decoded[1]}x{decoded[0]}, the dataset says "
+                                   f"{full[1]}x{full[0]}; re-pack")
+        if fast:
+            return resized_window(arr, full, window, size, self.interpolation, out)
+        image = pil_window(arr, window, size, self.interpolation) if self._is_raw else crop_resize(
+            img, window, size, self.interpolation)
+        return write_image(image, window.flipped, out)
+
+    def _scaled_jpeg(self, sample: Sample, name: str, full: tuple[int, int], fn: Callable) -> Any:
+        """``fn(payload)`` for a JPEG simplejpeg decodes as Pillow would, after the checks a full decode makes;
+        None for anything else (it takes the full decode)."""
+        size = jpeg_size(sample.payload)
+        if size is None:
+            return None
+        height, width = size
+        if size != full:
+            raise CorruptDataError(f"{name}: image is {width}x{height}, the dataset says {full[1]}x{full[0]}; "
+                                   "re-pack")
+        if height * width > self.max_pixels:
+            raise ImageError(name, f"{width}x{height} is over the {self.max_pixels:,}-pixel limit; raise "
+                                   "--max-pixels")
+        try:
+            return fn(sample.payload)
+        except ValueError as exc:
+            raise ImageError(name, f"cannot decode JPEG ({exc}); remove or replace the file") from None
+
+    def _fast_resize_crop(self, index: int, sample: Sample, out: np.ndarray | None) -> np.ndarray | None:
+        """``decoder="fast"``'s read-time resize and centre crop of an encoded image: a JPEG decodes at the
+        smallest DCT scale that keeps it ``MARGIN`` times the resized size (others decode whole), then OpenCV's
+        resampler turns only the region the crop keeps into the output, in ``out``. Within 30 dB of the default's
+        pixels. None where the default path must do it: a crop that pads, an interpolation other than bilinear."""
+        full = self._full_size(index, sample)
+        region = center_box(full, self.resize, self.center_crop)
+        if region is None or self.interpolation != "bilinear":
+            return None
+        box, size, (resized_h, resized_w) = region
+        name = self.reader.describe(index)
+        if out is not None and out.shape[:2] != size:
+            raise CorruptDataError(f"{name}: image gives {size}, the dataset says {out.shape[:2]}; re-pack or pass "
+                                   "resize/center_crop")
+        arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_jpeg(
+            data, self.spec.mode, full, resized_h * MARGIN, resized_w * MARGIN))
+        if arr is None:
+            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
+            if arr.shape[:2] != full:
+                raise CorruptDataError(f"{name}: image is {arr.shape[1]}x{arr.shape[0]}, the dataset says "
+                                       f"{full[1]}x{full[0]}; re-pack")
+        return resample(arr, scaled_box(arr, full, box), size, out)
+
+    def _plain_array(self, index: int, sample: Sample, out: np.ndarray | None = None) -> np.ndarray:
+        """The sample with the read-time resize/crop applied (no augmentation); see :meth:`decode_array`."""
+        name = self.reader.describe(index)
+        geometry = self.resize or self.center_crop
+        if self._is_raw:
+            arr = self.reader.stored_array(index, sample)
+            if geometry:
+                arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+        elif self.decoder == "pil":
+            img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
+            if geometry:
+                img = apply_geometry(img, self.resize, None, self.center_crop, self.interpolation)
+            arr = as_hwc(img)
+        elif geometry:
+            if self.decoder == "fast":
+                arr = self._fast_resize_crop(index, sample, out)
+                if arr is not None:
+                    return arr
+            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
+            kept = crop_slice(arr.shape[:2], self.resize, self.center_crop)
+            if kept is not None:  # stored at the read-time size: a crop, copied once below
+                arr = arr[kept]
+            else:
+                arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+        else:
+            return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
+        if out is not None:
+            if arr.shape != out.shape:
+                raise CorruptDataError(f"{name}: image is {arr.shape}, the dataset says {out.shape}; re-pack "
+                                       "or pass resize/center_crop")
+            out[...] = arr
+            return out
+        return np.ascontiguousarray(arr)
+
+
+class RowDecoder:
+    """A batch row's decode for one case :meth:`serves` recognises; anything it cannot decode exactly goes to
+    the decoding's :meth:`~Decoding.decode_array`. Called as ``decoder(index, sample, out, epoch)``."""
+
+    def __init__(self, decoding: Decoding):
+        self.general = decoding.decode_array
+        self.colorspace, self.channels = ("GRAY", 1) if decoding.spec.mode == "L" else ("RGB", 3)
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        """Whether this decoder gives ``decoding``'s pixels (for the samples it takes; the rest fall back)."""
+        raise NotImplementedError
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        raise NotImplementedError
+
+
+class JpegIntoRow(RowDecoder):
+    """packer's own JPEGs at the output size, decoded by simplejpeg straight into the row. Only packer's own
+    encodes are sure to be YCbCr or grey without reading each header: decode() leaves a CMYK JPEG to Pillow,
+    whose pixels simplejpeg's own conversion would not match."""
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        return (not decoding.augments and decoding.decoder != "pil" and not decoding.reader.is_raw
+                and not decoding.resize and not decoding.center_crop and decoding.spec.store == "jpeg")
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        try:
+            # the row bounds the decode: a larger image raises, a smaller one comes back another shape
+            if simplejpeg.decode_jpeg(sample.payload, colorspace=self.colorspace, buffer=out).shape == out.shape:
+                return out
+        except ValueError:
+            pass
+        return self.general(index, sample, out, epoch)
+
+
+class CroppedJpegRow(RowDecoder):
+    """JPEGs stored at the read-time resize (``decoder="auto"``, a centre crop to do): decoded whole into this
+    thread's scratch buffer, the crop's slice copied into the row."""
+
+    def __init__(self, decoding: Decoding):
+        super().__init__(decoding)
+        self.resize, self.crop, self.max_pixels = decoding.resize, decoding.center_crop, decoding.max_pixels
+        self.kept_by_size: dict[tuple[int, int], Any] = {}  # crop_slice by image size; False: it needs resampling
+
+    @staticmethod
+    def serves(decoding: Decoding) -> bool:
+        return (not decoding.augments and decoding.decoder == "auto" and not decoding.reader.is_raw
+                and bool(decoding.center_crop))
+
+    def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
+        size = jpeg_size(sample.payload)
+        kept = self.kept_by_size.get(size) if size is not None else False
+        if kept is None:
+            kept = self.kept_by_size.setdefault(size, size[0] * size[1] <= self.max_pixels
+                                                and crop_slice(size, self.resize, self.crop) or False)
+        if kept:
+            try:
+                scratch = decode_scratch(size[0] * size[1] * self.channels)
+                arr = simplejpeg.decode_jpeg(sample.payload, colorspace=self.colorspace, buffer=scratch)
+            except ValueError:
+                arr = None
+            if arr is not None and arr.shape[:2] == size:
+                out[...] = arr[kept]
+                return out
+        return self.general(index, sample, out, epoch)
+
+
+# row_decoder's table: the first that serves a decoding decodes its batch rows; none: decode_array
+ROW_DECODERS: tuple[type[RowDecoder], ...] = (JpegIntoRow, CroppedJpegRow)
+
+
+def _height_width(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
+    """An int or (height, width), torchvision's convention for ``RandomResizedCrop(size)``, as (height, width)."""
+    if size is None:
+        return None
+    pair = tuple(as_pair(size)) if isinstance(size, (int, tuple, list)) else ()  # a longer tuple is refused below
+    if len(pair) != 2 or not all(arguments.is_int(v) and v > 0 for v in pair):
+        raise ValueError(f"random_resized_crop must be a positive int or (height, width), not {size!r}")
+    return pair

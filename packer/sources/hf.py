@@ -1,0 +1,444 @@
+"""Hugging Face ``datasets`` interop: a ``datasets.Dataset`` as a pack source, and a packed dataset read back as one.
+
+Packing (``packer pack hf:PATH_OR_NAME DEST`` or ``packer.pack(dataset, DEST)``): PATH is a folder written by
+``save_to_disk`` (a ``DatasetDict`` folder gives its ``--split``, default ``train``) or a folder of data files
+``datasets.load_dataset`` reads (images, parquet); NAME is a Hub dataset already in the Hugging Face cache. The
+image is the column ``--image-column`` names, default the first ``Image()`` feature; its stored bytes are packed
+as they are (``store original`` keeps them exactly), or re-encoded as the transform says. The class is the
+``ClassLabel`` column (``--label-column``, default the first), with the feature's names in the feature's order; a
+sample whose class is -1 or missing is skipped and listed. Every other column becomes a field typed from its
+feature: integers and ClassLabels int64, floats float32, strings text, binary bytes, a list of numbers a vector
+(of fixed length when the feature says so), a further ``Image()`` a second image, anything else (dicts, lists of
+strings) JSON. A column of another kind (Audio, Video...) is left out with a warning; an empty cell skips its row.
+
+Reading back (:func:`to_hf`): a ``datasets.Dataset`` built with ``Dataset.from_generator`` (written to the
+Hugging Face cache as it goes, so memory stays bounded): the image as an ``Image()`` feature holding the stored
+bytes (a PNG of the pixels for ``store raw``), the class as a ``ClassLabel`` with the dataset's classes, the
+fields as ``Value`` and ``List`` features (JSON fields with the source's own feature when packed from a
+Hugging Face dataset, else as JSON text).
+
+``datasets`` is an optional dependency (``pip install 'packer-data[hf]'``); nothing here imports it before it
+is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ImageError, PackerError, SourceError, UsageError, warn
+from ..fields import NUMERIC, Field, decode, encode, extra_fields, label_field
+from ..images.transforms import MAX_SIDE, Encoded, TransformSpec, convert_bytes, convert_file, to_pil
+from .base import SampleReader, Source
+
+PREFIX = "hf:"
+DEFAULT_SPLIT = "train"
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?\Z")
+_SIDE_STORES = {"raw": "png"}  # a second image of a raw-pixel dataset is stored lossless but encoded
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+_FLOATS = ("float16", "float32", "float64", "double", "float")
+
+
+def is_hf(src: object) -> bool:
+    """Whether ``src`` names a Hugging Face dataset: ``hf:...`` text, or a ``datasets`` object."""
+    if isinstance(src, str):
+        return src.startswith(PREFIX)
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(src, (module.Dataset, module.DatasetDict))
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError("Hugging Face datasets need the datasets package: pip install 'packer-data[hf]'") from None
+    return datasets
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _load_folder(datasets, path: Path):
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises FileNotFoundError, ValueError, pyarrow errors...
+        raise SourceError(f"{path}: not a readable save_to_disk folder ({_one_line(exc)}); write it again with "
+                          "dataset.save_to_disk") from None
+
+
+def _load_hub(datasets, name: str, src: str):
+    try:
+        return datasets.load_dataset(name)
+    except Exception as exc:
+        raise SourceError(f"{src}: no such folder, and not a dataset datasets.load_dataset can read offline "
+                          f"({_one_line(exc)}); download it first with datasets.load_dataset({name!r}), or give the "
+                          "folder written by save_to_disk") from None
+
+
+def _pick_split(datasets, loaded, split: str | None, where: str) -> tuple[Any, str | None]:
+    if isinstance(loaded, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise UsageError(f"{where}: a streaming dataset cannot be packed; load it without streaming=True")
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        chosen = split or (DEFAULT_SPLIT if DEFAULT_SPLIT in loaded or len(names) != 1 else names[0])
+        if chosen not in loaded:
+            raise UsageError(f"--split {chosen}: {where} has no split {chosen!r} (splits: {', '.join(names)})")
+        return loaded[chosen], chosen
+    if split is not None and str(loaded.split) != split:
+        raise UsageError(f"--split {split}: {where} is a single Dataset ({loaded.split or 'no'} split), not a "
+                         "DatasetDict; drop --split")
+    return loaded, None if loaded.split is None else str(loaded.split)
+
+
+def _feature_type(feature: Any) -> str:
+    return type(feature).__name__
+
+
+def _field_of(name: str, feature: Any) -> Field | None:
+    """The field a column of ``feature`` packs as; None for a kind of column that is not packed."""
+    kind = _feature_type(feature)
+    if kind == "Value":
+        dtype = str(feature.dtype)
+        if dtype in _INTS:
+            return Field(name, "int64")
+        if dtype in _FLOATS:
+            return Field(name, "float32")
+        if dtype in ("string", "large_string"):
+            return Field(name, "text")
+        if dtype in ("binary", "large_binary"):
+            return Field(name, "bytes")
+        return None
+    if kind == "ClassLabel":
+        return Field(name, "int64")
+    if kind == "Image":
+        return Field(name, "image")
+    if kind in ("Sequence", "List", "LargeList"):
+        inner = feature.feature
+        if _feature_type(inner) == "Value" and str(inner.dtype) in _INTS + _FLOATS:
+            length = getattr(feature, "length", -1)
+            return Field(name, "int64" if str(inner.dtype) in _INTS else "float32",
+                         (length,) if length and length > 0 else None)
+    if _jsonable(feature):
+        return Field(name, "json")
+    return None
+
+
+def _per_row(dataset, name: str, values) -> np.ndarray:
+    """``values(chunk)`` (a numpy array per arrow chunk of column ``name``) for every row, in the dataset's row
+    order: computed on the stored table, then an indices mapping (a shuffled or selected dataset) applied to the
+    small result, never to the column (that would copy every image)."""
+    chunks = dataset.data.column(name).chunks
+    out = np.concatenate([values(chunk) for chunk in chunks]) if chunks else np.zeros(0, np.int64)
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:
+        out = out[indices.column(0).to_numpy()]
+    return out
+
+
+def _labels(chunk) -> np.ndarray:
+    return chunk.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _lengths(chunk) -> np.ndarray:
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.binary_length(chunk.field("bytes")), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _jsonable(feature: Any) -> bool:
+    """Whether values of ``feature`` are plain JSON (no images, audio, binary or timestamps inside)."""
+    kind = _feature_type(feature)
+    if isinstance(feature, dict):
+        return all(_jsonable(f) for f in feature.values())
+    if isinstance(feature, list):
+        return all(_jsonable(f) for f in feature)
+    if kind in ("Sequence", "List", "LargeList"):
+        return _jsonable(feature.feature)
+    if kind == "Value":
+        return str(feature.dtype) in _INTS + _FLOATS + ("string", "large_string")
+    return kind == "ClassLabel"
+
+
+class HfReader(SampleReader):
+    """Converts one row of a ``datasets.Dataset`` (images not decoded). Picklable: a dataset read from disk
+    pickles as its file paths, one in memory as its table."""
+
+    def __init__(self, dataset, image: str, label: str | None, fields: list[Field], columns: dict[str, str]):
+        self.dataset, self.image, self.label, self.fields, self.columns = dataset, image, label, fields, columns
+
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
+        name = self.name(index)
+        row = self.dataset[index]
+        encoded = _image(row[self.image], name, spec)
+        if max(encoded.shape[:2]) > MAX_SIDE:
+            raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels; "
+                                   "shrink it (--max-size)")
+        label = -1
+        if self.label is not None:
+            label = row[self.label]
+            if label is None or label < 0:
+                raise ImageError(name, f"no class (column {self.label!r} holds {label}); give it one or drop the row")
+        extras = tuple(self._extra(field, row[self.columns[field.name]], name, spec) for field in self.fields)
+        return f"{name}.{'png' if encoded.ext == 'raw' else encoded.ext}", int(label), encoded, extras
+
+    def _extra(self, field: Field, value: Any, name: str, spec: TransformSpec) -> bytes:
+        if value is None:
+            raise ImageError(name, f"column {self.columns[field.name]!r} is empty; fill it or drop the row")
+        if field.kind == "image":
+            side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
+            return _image(value, f"{name} {field.name}", side).payload
+        try:
+            return encode(field, value)
+        except (TypeError, ValueError) as exc:
+            raise ImageError(name, f"column {self.columns[field.name]!r}: {_one_line(exc)}") from None
+
+    def name(self, index: int) -> str:
+        return f"{index:08d}"
+
+
+def _image(cell: dict | None, name: str, spec: TransformSpec) -> Encoded:
+    """A cell of an ``Image(decode=False)`` column converted: its bytes, else the file its path names."""
+    if not cell or (cell.get("bytes") is None and not cell.get("path")):
+        raise ImageError(name, "no image in this row; give it one or drop the row")
+    if cell.get("bytes") is not None:
+        return convert_bytes(bytes(cell["bytes"]), name, spec)
+    return convert_file(cell["path"], name, spec)
+
+
+class HfSource(Source):
+    """A ``datasets.Dataset`` (see the module's documentation)."""
+
+    kind = "hf"
+
+    def __init__(self, src: Any, split: str | None = None, image_column: str | None = None,
+                 label_column: str | None = None):
+        datasets = _datasets()
+        dataset, self.name, folder, self.split = _loaded(src, split)
+        features = dataset.features
+        columns = ", ".join(f"{k} ({_feature_type(v)})" for k, v in features.items()) or "none"
+        image = image_column or next((k for k, v in features.items() if _feature_type(v) == "Image"), None)
+        if image is None:
+            raise SourceError(f"{self.name}: no Image column (columns: {columns}); cast one with "
+                              "dataset.cast_column(NAME, datasets.Image()), or name it with --image-column")
+        for option, column in (("--image-column", image), ("--label-column", label_column)):
+            if column is not None and column not in features:
+                raise UsageError(f"{option} {column}: {self.name} has no column {column!r} (columns: {columns})")
+        if _feature_type(features[image]) != "Image":
+            raise UsageError(f"--image-column {image}: is a {_feature_type(features[image])} column, not an Image() "
+                             f"one (columns: {columns})")
+        label = label_column or next((k for k, v in features.items() if _feature_type(v) == "ClassLabel"), None)
+        if label is not None and _feature_type(features[label]) != "ClassLabel":
+            raise UsageError(f"--label-column {label}: is a {_feature_type(features[label])} column, not a "
+                             "ClassLabel; cast it with dataset.class_encode_column")
+        classes = list(features[label].names) if label is not None else []
+        labels = np.zeros(0, np.int64)
+        if label is not None:
+            labels = _per_row(dataset, label, _labels)
+            if len(labels) and (labels < 0).all():
+                warn(f"{self.name}: column {label!r} holds no class (all -1, an unlabelled split); packed without one")
+                label, classes = None, []
+        super().__init__(folder if folder is not None else Path("."), classes, len(dataset))
+        self.folder, self.image, self.label = folder, image, label
+        try:
+            schema = [Field("image", "image")] + ([Field(label, "class")] if label is not None else [])
+        except ValueError as exc:
+            raise SourceError(f"{self.name}: {exc} (dataset.rename_column)") from None
+        self.columns: dict[str, str] = {}
+        self.json_features: dict[str, Any] = {}
+        for column, feature in features.items():
+            if column in (image, label):
+                continue
+            try:
+                field = _field_of(column, feature)
+            except ValueError as exc:
+                raise SourceError(f"{self.name}: {exc} (dataset.rename_column)") from None
+            if field is None:
+                warn(f"{self.name}: column {column!r} ({_feature_type(feature)}) is not packed: packer keeps images, "
+                     "numbers, text, lists and dicts")
+                continue
+            if field.name == "image":
+                raise SourceError(f"{self.name}: column 'image' is not the image column ({image!r}) but the image is "
+                                  "stored as 'image'; rename it with dataset.rename_column")
+            if field.kind == "json":
+                self.json_features[column] = datasets.Features({column: feature}).to_dict()[column]
+            schema.append(field)
+            self.columns[column] = column
+        self.schema = schema
+        present = np.bincount(labels[labels >= 0], minlength=len(classes)) if label is not None else []
+        self.empty_classes = [c for c, n in zip(classes, present, strict=False) if n == 0]
+        used = [image, *([label] if label else []), *self.columns]
+        self.dataset = dataset.select_columns(used)
+        for column in used:
+            if _feature_type(features[column]) == "Image":
+                self.dataset = self.dataset.cast_column(column, datasets.Image(decode=False))
+
+    def sizes(self) -> np.ndarray:
+        try:
+            lengths = _per_row(self.dataset, self.image, _lengths)
+        except Exception:  # a layout this estimate does not know: a guess (sizes only size the output)
+            return np.full(self.count, 100_000, np.int64)
+        known = lengths[lengths > 0]
+        return np.where(lengths > 0, lengths, int(known.mean()) if len(known) else 100_000).astype(np.int64)
+
+    def fingerprint(self) -> str:
+        parts = [getattr(self.dataset, "_fingerprint", ""), self.image, self.label, self.split, self.count]
+        return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+    def reader(self) -> SampleReader:
+        return HfReader(self.dataset, self.image, self.label, extra_fields(self.schema), self.columns)
+
+    def where(self, relpath: str) -> str:
+        return f"row {relpath.split('.', 1)[0].lstrip('0') or '0'} of {self.name}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "root": str(self.folder.resolve()) if self.folder is not None else None,
+                "dataset": self.name, "split": self.split, "image_column": self.image,
+                "label_column": self.label, "json_features": self.json_features}
+
+    @property
+    def key(self) -> str:
+        if self.folder is not None:
+            return f"{PREFIX}{self.folder.resolve()}"
+        return self.name if self.name.startswith(PREFIX) else f"datasets.Dataset {self.fingerprint()[:16]}"
+
+    def dest_problem(self, dest: Path) -> str | None:
+        if self.folder is None:
+            return None
+        return super().dest_problem(dest)
+
+
+def _loaded(src: Any, split: str | None) -> tuple[Any, str, Path | None, str | None]:
+    """``(dataset, name, folder, split)``: the ``datasets.Dataset`` that ``src`` names (``hf:PATH_OR_NAME``, a
+    ``Dataset`` or a ``DatasetDict``), how messages name it, its folder (None for a Hub name or an object) and
+    the split taken (None for a lone ``Dataset`` without one). One-line errors for a missing dataset or split."""
+    datasets = _datasets()
+    folder = None
+    if isinstance(src, str):
+        name = src[len(PREFIX):]
+        if not name:
+            raise UsageError("hf: give a dataset folder or a Hub name after hf:, such as hf:./my_dataset")
+        path = Path(name).expanduser()
+        if path.is_dir():
+            folder = path
+            saved = (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+            loaded = _load_folder(datasets, path) if saved else _load_hub(datasets, str(path), src)
+        elif path.exists() or not _HUB_NAME.match(name):
+            raise SourceError(f"{src}: no such folder; give a folder written by save_to_disk, or the name of a Hub "
+                              "dataset already downloaded")
+        else:
+            loaded = _load_hub(datasets, name, src)
+        where = src
+    else:
+        loaded, where = src, f"the datasets.{type(src).__name__}"
+    dataset, chosen = _pick_split(datasets, loaded, split, where)
+    return dataset, where, folder, chosen
+
+
+# -- reading a packed dataset back as a datasets.Dataset ------------------------------------------------------------
+def _hf_feature(datasets, field: Field, source: dict) -> Any:
+    if field.kind in NUMERIC:
+        value = datasets.Value(field.kind)
+        return value if field.shape == () else datasets.List(value, length=field.shape[0] if field.shape else -1)
+    if field.kind == "text":
+        return datasets.Value("string")
+    if field.kind == "bytes":
+        return datasets.Value("binary")
+    if field.kind in ("image", "mask"):
+        return datasets.Image()
+    recorded = (source.get("json_features") or {}).get(field.name) if source.get("kind") == "hf" else None
+    if recorded is not None:
+        return datasets.Features.from_dict({field.name: recorded})[field.name]
+    return datasets.Value("string")
+
+
+def _features(datasets, reader, source: dict):
+    schema = reader.schema
+    label = label_field(schema)
+    image = source.get("image_column") if source.get("kind") == "hf" else None
+    features = {image or "image": datasets.Image()}
+    if label is not None:
+        features[label.name] = datasets.ClassLabel(names=list(reader.classes))
+    for field in extra_fields(schema):
+        features[field.name] = _hf_feature(datasets, field, source)
+    return datasets.Features(features)
+
+
+def _rows(root: str, digest: str):
+    """The generator :func:`to_hf` hands to ``Dataset.from_generator``: one row per stored sample, in order
+    (``digest``, the manifest's, makes the cache entry change with the dataset)."""
+    from ..formats import open_reader
+
+    datasets = _datasets()
+    reader = open_reader(root)
+    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
+    features = _features(datasets, reader, source)
+    names = list(features)
+    label = label_field(reader.schema)
+    extras = extra_fields(reader.schema)
+    json_as_text = {f.name for f in extras if f.kind == "json" and _feature_type(features[f.name]) == "Value"}
+    reader.open()
+    for i in range(len(reader)):
+        data, stored_label = reader.raw_sample(i)
+        row: dict[str, Any] = {names[0]: {"bytes": _png(data) if isinstance(data, np.ndarray) else data,
+                                          "path": None}}
+        if label is not None:
+            row[label.name] = stored_label
+        raw = reader.read_fields(i, verify=True)
+        for field in extras:
+            value = raw[field.name]
+            if field.dense:
+                row[field.name] = {"bytes": bytes(value), "path": None}
+            elif field.name in json_as_text:
+                row[field.name] = bytes(value).decode("utf-8")
+            else:
+                decoded = decode(field, value)
+                row[field.name] = decoded.tolist() if isinstance(decoded, np.ndarray) else decoded
+        yield row
+
+
+def _png(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    to_pil(array).save(out, "PNG")
+    return out.getvalue()
+
+
+def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None):
+    """The packed dataset ``dest`` as a ``datasets.Dataset`` (see the module's documentation).
+
+    Args:
+        dest: the packed dataset (any format; a URL is fetched into packer's cache first).
+        cache_dir: the Hugging Face cache folder the rows are written to (default: datasets' own).
+
+    Returns:
+        A ``datasets.Dataset``, one row per stored sample in stored order: the image (``Image()`` with the stored
+        bytes), the class (``ClassLabel``) when the dataset has one, and each field.
+
+    Raises:
+        PackerError: ``dest`` is not a packed dataset, or stores normalized arrays (not images).
+    """
+    from ..formats import open_reader
+    from ..remote import local_dataset  # a URL is resolved here, at the entry point
+
+    datasets = _datasets()
+    root = Path(local_dataset(dest)).resolve()
+    reader = open_reader(root)
+    if reader.spec.normalize:
+        raise PackerError(f"{dest}: stores normalized {reader.spec.dtype} arrays, which are not images; to_hf needs "
+                          "a dataset of pixels or encoded images")
+    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
+    features = _features(datasets, reader, source)
+    digest = hashlib.sha256(json.dumps(reader.manifest, sort_keys=True, default=str).encode()).hexdigest()
+    return datasets.Dataset.from_generator(_rows, features=features, gen_kwargs={"root": str(root), "digest": digest},
+                                           cache_dir=None if cache_dir is None else str(cache_dir),
+                                           fingerprint=hashlib.sha256(f"{root}\0{digest}".encode()).hexdigest()[:32])
