@@ -26,7 +26,7 @@ from PIL import Image
 
 import packer
 from packer.errors import CorruptDataError, IncompleteDatasetError, ManifestError
-from packer.formats.lmdb import HEADER, MAGIC
+from packer.formats.lmdb.records import HEADER, MAGIC
 
 FORMATS = ("lmdb", "hdf5", "wds")
 K = 7  # the sample that gets damaged

@@ -26,7 +26,8 @@ import packer
 from packer.errors import CorruptDataError, UsageError
 from packer.fields import extra_fields
 from packer.formats.layout import Layout, LocalSource, block_span, span_blocks
-from packer.formats.lmdb import HEADER, LmdbReader, key
+from packer.formats.lmdb import LmdbReader
+from packer.formats.lmdb.records import HEADER, key
 
 DEEP_COUNT = 60_000  # few-byte records: a tree of depth 3 with 4 KB pages
 BIG_EVERY = 5_000  # every so many records, a 12 KB value on overflow pages

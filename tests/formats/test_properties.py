@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from packer.errors import CorruptDataError, ManifestError
-from packer.formats.lmdb import HEADER, MAGIC, pack_record, unpack_record
+from packer.formats.lmdb.records import HEADER, MAGIC, pack_record, unpack_record
 from packer.formats.wds.foreign import _npy_header
 from packer.images.transforms import Encoded
 from packer.manifest import FORMAT_VERSION, parse_manifest

@@ -21,7 +21,7 @@ from support.remote import Served
 
 import packer
 from packer.errors import CorruptDataError, ManifestError, PackerError, RemoteError
-from packer.formats.lmdb import HEADER, key
+from packer.formats.lmdb.records import HEADER, key
 
 FORMATS = ("lmdb", "hdf5", "wds")
 TESTS = Path(__file__).resolve().parents[1]

@@ -503,7 +503,7 @@ def test_source_is_never_modified(tricky_src, tmp_path, tree_snapshot):
 def test_hdf5_relpaths_are_copied_in_pieces_without_losing_one(tmp_path):
     """The HDF5 writer copies its temporary path list a megabyte at a time (so memory stays flat): a piece
     boundary inside a path, on a NUL, or in a multi-byte character loses and splits nothing."""
-    from packer.formats.hdf5 import enumerate_path_chunks
+    from packer.formats.hdf5.writer import enumerate_path_chunks
 
     paths = [f"cls{i % 3}/ñame_{i:05d}_é.jpg".encode() for i in range(500)]
     file = tmp_path / "paths"

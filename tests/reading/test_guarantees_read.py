@@ -168,7 +168,7 @@ def test_forked_worker_reads_the_file_its_parent_opened(src_a, src_b, tmp_path):
 def test_lmdb_environments_of_replaced_files_are_closed_when_unused(src_a, tmp_path):
     """An environment whose file was replaced stays open while a dataset reads it, and is closed (its deleted
     file's space given back) once no dataset uses it and a newer one is opened."""
-    from packer.formats import lmdb as lmdb_format
+    from packer.formats.lmdb import reader as lmdb_format
 
     dest = tmp_path / "ds"
     pack(src_a, dest, "lmdb")

@@ -526,7 +526,7 @@ def test_close_all_closes_shared_handles_and_datasets_reopen(pack):
     """``formats.close_all`` (what ``packer bench`` calls before evicting the page cache) closes the handles
     readers share per process, LMDB's environments; a dataset reads on afterwards, reopening them."""
     from packer.formats import close_all
-    from packer.formats import lmdb as lmdb_format
+    from packer.formats.lmdb import reader as lmdb_format
 
     ds = packer.open_dataset(pack("lmdb", "raw"))
     image, label = ds[3]

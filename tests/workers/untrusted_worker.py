@@ -122,7 +122,7 @@ def mutate_hdf5(dest: Path, data) -> None:
 def mutate_lmdb(dest: Path, data) -> None:
     import lmdb
 
-    from packer.formats.lmdb import HEADER, key
+    from packer.formats.lmdb.records import HEADER, key
 
     env = lmdb.open(str(dest), subdir=True, lock=False)
     with env.begin(write=True) as txn:

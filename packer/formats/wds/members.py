@@ -25,6 +25,13 @@ from ..base import Sample, StreamSample
 INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("json_offset", "<u8"),
                         ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
+INDEX = "wds_index.npy"  # the shard index: one INDEX_DTYPE row a sample
+PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
+
+
+def shard_name(i: int) -> str:
+    """The name of shard ``i``: ``shard-000000.tar``."""
+    return f"shard-{i:06d}.tar"
 
 
 def sample_key(name: str) -> tuple[str, str] | None:

@@ -1,0 +1,341 @@
+"""The HDF5 reader: ``data.h5``'s arrays memory-mapped where h5py allows it, checked against the manifest, and
+read a block at a time by ranges."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ...errors import CorruptDataError, PackerError
+from ...fields import Field
+from ..base import Reader, Sample, blocks_by_size
+from ..identity import changed_error, check_unchanged, file_id
+from ..layout import Layout, RangeSource, join_rows
+from .ranges import RangeFile, check_offsets, extent, read_arrays
+
+FILENAME = "data.h5"
+
+
+def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
+    """A read-only memory map of a contiguous dataset, or its values read into memory if it is not one."""
+    offset = dataset.id.get_offset()
+    if offset is None or dataset.chunks is not None or dataset.compression is not None:
+        return dataset[()]
+    if dataset.size == 0:
+        return np.zeros(dataset.shape, dataset.dtype)
+    # a plain ndarray view of the map: indexing a np.memmap subclass costs several times more per call
+    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape).view(np.ndarray)
+
+
+def _sample(index: int, payload: memoryview, labels: np.ndarray, shapes: np.ndarray, crcs: np.ndarray) -> Sample:
+    """Sample ``index`` of its payload and the per-sample arrays (the local and the ranged reads')."""
+    return Sample(payload, int(labels[index]), tuple(shapes[index].tolist()), int(crcs[index]))
+
+
+def _field_value(index: int, values: np.ndarray, offsets: np.ndarray | None, where: str) -> memoryview:
+    """Sample ``index``'s stored bytes of one extra field: its row of a typed field (``offsets`` None), or its
+    slice of a bytes field's ``values`` by ``offsets``; ``where`` names the sample in errors."""
+    if offsets is None:
+        return memoryview(np.ascontiguousarray(values[index])).cast("B")
+    a, b = int(offsets[index]), int(offsets[index + 1])
+    if not 0 <= a <= b <= len(values):
+        raise CorruptDataError(f"{where}: field offsets out of range; run `packer verify`")
+    return memoryview(values[a:b])
+
+
+def _field_index(name: str, node: h5py.Dataset | h5py.Group, arrays: list[np.ndarray], n: int,
+                 where: str) -> dict[str, np.ndarray]:
+    """The layout index arrays of extra field ``name`` (``node`` in the file), taking its values (and offsets)
+    from the front of ``arrays``; CorruptDataError unless they hold ``n`` samples."""
+    values = arrays.pop(0)
+    if isinstance(node, h5py.Dataset):
+        if values.ndim == 0 or len(values) != n:
+            raise CorruptDataError(f"{where}: 'fields/{name}' is {values.shape}, {n} samples need {n} rows; the file "
+                                   "is damaged, re-pack")
+        return {f"values.{name}": values}
+    offsets = arrays.pop(0)
+    if offsets.shape != (n + 1,) or offsets.dtype.kind not in "iu" or values.ndim != 1 or values.dtype != np.uint8:
+        raise CorruptDataError(f"{where}: 'fields/{name}' is {values.shape} {values.dtype} with offsets "
+                               f"{offsets.shape} {offsets.dtype}; {n} samples need bytes and {n + 1} int offsets, "
+                               "the file is damaged, re-pack")
+    check_offsets(offsets.astype(np.int64), len(values), where, f"fields/{name}/offsets")
+    return {f"values.{name}": values, f"offsets.{name}": offsets}
+
+
+class Hdf5Reader(Reader):
+    """Reads an HDF5 dataset. Each process opens the file lazily, memory-maps ``images``, ``offsets``,
+    ``shapes``, ``labels`` and ``crc32`` at their file offsets, and reads them with numpy, not per sample
+    through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
+    filesystems; the file is never written after packing."""
+
+    HANDLES = ("file", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
+
+    def __init__(self, root, manifest: dict | None = None, locking: bool = False):
+        super().__init__(root, manifest)
+        self.locking = locking
+        self._count = int(self.manifest["count"])
+        self.path = self.root / FILENAME
+        self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
+        self.field_maps: list[tuple[np.ndarray, np.ndarray | None]] | None = None
+        self.fields_crcs: np.ndarray | None = None
+        self._file_id = file_id(self.path)  # the file the manifest just read describes
+
+    def _check_data(self) -> None:
+        """Check the file's arrays against the manifest (:meth:`_check_file`); the file is closed again (each
+        process opens its own)."""
+        now = file_id(self.path)
+        if self._file_id is not None and now is not None:
+            check_unchanged(self.path, self._file_id, now)  # replaced since the manifest was read
+        try:
+            with h5py.File(self.path, "r", locking=self.locking) as f:
+                self._check_file(f, self.path)
+        except PackerError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+
+    def _check_file(self, f: h5py.File, where: object) -> None:
+        """Check an open file's arrays against the manifest before anything is sized from either: every
+        per-sample array holds ``count`` rows, ``offsets`` one more and inside ``images``, a fixed-shape
+        ``images`` has the manifest's shape and dtype, labels are class indices, shapes are images. Only
+        metadata and the small per-sample arrays are read. ``where`` names the file in errors."""
+        n = self._count
+        arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
+        offsets = f["offsets"] if "offsets" in f else None
+        if arrays["labels"].shape != (n,):
+            raise self.bad_count(f"{where} (labels)", arrays["labels"].shape[0] if arrays["labels"].ndim else 0)
+        expect = {"crc32": (n,), "relpaths": (n,), "shapes": (n, 3)}
+        for name, shape in expect.items():
+            if arrays[name].shape != shape:
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].shape}, {n} samples need {shape}; the "
+                                       "file is damaged, re-pack")
+        images = arrays["images"]
+        fixed = self.manifest.get("shape")
+        if offsets is None:
+            if not self.is_raw or not fixed or images.shape != (n, *fixed) or images.dtype != self.spec.dtype:
+                raise CorruptDataError(f"{where}: 'images' is {images.shape} {images.dtype}, the manifest says "
+                                       f"{n} x {fixed} {self.spec.dtype}; the file is damaged, re-pack")
+        else:
+            if offsets.shape != (n + 1,) or images.ndim != 1:
+                raise CorruptDataError(f"{where}: 'offsets' is {offsets.shape}, {n} samples need ({n + 1},); the "
+                                       "file is damaged, re-pack")
+            ends = offsets[[0, n]] if n else offsets[[0]]
+            if int(ends[0]) != 0 or int(ends[-1]) > images.shape[0]:
+                raise CorruptDataError(f"{where}: 'offsets' run past 'images'; the file is damaged, re-pack")
+        for name in ("labels", "shapes"):
+            if arrays[name].dtype.kind not in "iu":
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].dtype}, not integers; the file is "
+                                       "damaged, re-pack")
+        self.check_labels(where, arrays["labels"][()])
+        self.check_shapes(where, arrays["shapes"][()])
+
+    def __len__(self) -> int:
+        self.validate()
+        return self._count
+
+    def _open(self) -> None:
+        # the open file and the maps keep reading this file if DEST is repacked later; a file replaced before
+        # this process opened it is refused
+        now = file_id(self.path)
+        recorded = self._file_id = self._file_id or now
+        if now is not None:
+            check_unchanged(self.path, recorded, now)
+        try:
+            self.file = h5py.File(self.path, "r", locking=self.locking)
+            self.images = _memmap(self.path, self.file["images"])
+            self.offsets = _memmap(self.path, self.file["offsets"]) if "offsets" in self.file else None
+            self.shapes = _memmap(self.path, self.file["shapes"])
+            self.labels = _memmap(self.path, self.file["labels"])
+            self.crcs = _memmap(self.path, self.file["crc32"])
+            self.field_maps = [self._field_map(field) for field in self.extra_fields]
+            self.fields_crcs = _memmap(self.path, self.file["fields_crc32"]) if self.extra_fields else None
+        except (OSError, KeyError, ValueError) as exc:
+            raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
+        if file_id(self.path) != recorded:  # replaced while it was being opened
+            raise changed_error(self.path)
+        if len(self.labels) != self._count:
+            raise CorruptDataError(f"{self.path}: holds {len(self.labels)} samples, the manifest says "
+                                   f"{self._count}; run `packer verify`")
+
+    def read(self, index: int) -> Sample:
+        if self.offsets is None:
+            payload = memoryview(self.images[index]).cast("B")
+        else:
+            a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+            if not 0 <= a <= b <= len(self.images):
+                raise CorruptDataError(f"{self.describe(index)}: offsets out of range; run `packer verify`")
+            payload = memoryview(self.images[a:b])
+        return _sample(index, payload, self.labels, self.shapes, self.crcs)
+
+    def _field_map(self, field: Field) -> tuple[np.ndarray, np.ndarray | None]:
+        """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
+        node = self.file[f"fields/{field.name}"]
+        if isinstance(node, h5py.Dataset):
+            values = _memmap(self.path, node)
+            if len(values) != self._count:
+                raise ValueError(f"fields/{field.name} holds {len(values)} rows, not {self._count}")
+            return values, None
+        offsets = _memmap(self.path, node["offsets"])
+        if len(offsets) != self._count + 1:
+            raise ValueError(f"fields/{field.name}/offsets holds {len(offsets)} rows, not {self._count + 1}")
+        return _memmap(self.path, node["values"]), offsets
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        where = self.describe(index)
+        return tuple(_field_value(index, values, offsets, where) for values, offsets in self.field_maps)
+
+    def fields_checksum(self, index: int) -> int | None:
+        return int(self.fields_crcs[index])
+
+    # -- reading by byte ranges (packer.formats.layout) ----------------------------------------------------------
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """Each sample's range of ``images`` in ``data.h5`` (its slice of the blob by ``offsets``, or its row of a
+        fixed-shape raw store), from byte ranges of the file: h5py reads the metadata through a
+        :class:`~packer.formats.hdf5.ranges.RangeFile` (a few source reads: the file's first megabyte and what
+        follows the images blob), and the small datasets are fetched together.
+
+        ``index`` holds ``labels``, ``shapes``, ``crc32``, ``fields_crc32`` and, per extra field, ``values.NAME``
+        (a number field's typed rows, or a bytes field's bytes end to end) and ``offsets.NAME`` (a bytes
+        field's). Bytes fields (captions, masks) are read whole into the index for now: the images blob is what
+        the ranges, and so the blocks, cover. Every dataset's extent is checked against the file's size, and
+        every count against the manifest, before anything is sized from them.
+
+        Raises:
+            UsageError: a dataset of the file is chunked, compressed or external (packer writes none).
+            CorruptDataError: the file disagrees with ``manifest`` or is damaged (one line naming data.h5).
+        """
+        path = f"{str(where).rstrip('/')}/{FILENAME}"
+        checker = cls(where, manifest)  # the manifest's numbers and checks (count, labels, channels, fields)
+        try:
+            file = RangeFile(source, FILENAME, path)
+            with h5py.File(file, "r") as f:
+                return checker._layout_of(f, file, path)
+        except PackerError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise CorruptDataError(f"{path}: cannot read HDF5 ({exc}); the file is damaged, re-pack") from None
+
+    def _layout_of(self, f: h5py.File, file: RangeFile, where: str) -> Layout:
+        """:meth:`layout` of the open file ``f`` (over ``file``); ``where`` names it in errors."""
+        n = self._count
+        images = f["images"]
+        begin, nbytes = extent(images, file.size, where)
+        file.fetch([(begin + nbytes, begin + nbytes + file.ahead)])  # the other datasets and their headers
+        names = ["labels", "shapes", "crc32"] + (["offsets"] if "offsets" in f else [])
+        names += ["fields_crc32"] if self.extra_fields else []
+        nodes = [f[name] for name in names]
+        groups = [f[f"fields/{field.name}"] for field in self.extra_fields]
+        for node in groups:
+            nodes += [node] if isinstance(node, h5py.Dataset) else [node["values"], node["offsets"]]
+        values = read_arrays(file, nodes, where)
+        arrays, fields = dict(zip(names, values[:len(names)], strict=True)), values[len(names):]
+        self._check_file(f, where)  # counts against the manifest, labels, shapes (read again, from memory)
+        for name in names[2:]:
+            if arrays[name].dtype.kind not in "iu":
+                raise CorruptDataError(f"{where}: '{name}' is {arrays[name].dtype}, not integers; the file is "
+                                       "damaged, re-pack")
+        index = {name: arrays[name] for name in ("labels", "shapes", "crc32")}
+        if self.extra_fields:
+            if arrays["fields_crc32"].shape != (n,):
+                raise CorruptDataError(f"{where}: 'fields_crc32' is {arrays['fields_crc32'].shape}, {n} samples "
+                                       f"need ({n},); the file is damaged, re-pack")
+            index["fields_crc32"] = arrays["fields_crc32"]
+        for field, node in zip(self.extra_fields, groups, strict=True):
+            index.update(_field_index(field.name, node, fields, n, where))
+        if "offsets" in arrays:
+            if images.dtype != np.uint8:
+                raise CorruptDataError(f"{where}: 'images' is {images.dtype}, not bytes; the file is damaged, re-pack")
+            offsets = arrays["offsets"].astype(np.int64)
+            check_offsets(offsets, nbytes, where, "offsets")
+            start, end = begin + offsets[:-1], begin + offsets[1:]
+        else:  # a fixed-shape raw store: one row a sample
+            row = nbytes // n if n else 0
+            start = begin + np.arange(n, dtype=np.int64) * row
+            end = start + row
+        layout = Layout((FILENAME,), np.zeros(n, np.int32), start, end, index)
+        layout.check(n, [file.size], where)
+        return layout
+
+    @classmethod
+    def join_index(cls, indexes: Sequence[dict[str, np.ndarray]], counts: Sequence[int],
+                   where: object) -> dict[str, np.ndarray]:
+        """The parts' indexes joined: a bytes field's ``values.NAME`` (its bytes) end to end and its
+        ``offsets.NAME`` moved past the parts before (one offset more than samples); every other array one row
+        a sample, end to end."""
+        rest = [dict(index) for index in indexes]
+        joined: dict[str, np.ndarray] = {}
+        names = [key[len("offsets."):] for key in indexes[0] if key.startswith("offsets.")] if indexes else []
+        for name in names:
+            keys = (f"values.{name}", f"offsets.{name}")
+            if not all(key in index for index in rest for key in keys):
+                continue  # a part without it: join_rows says the parts differ
+            pieces, offsets, base = [], [np.zeros(1, np.int64)], 0
+            for index in rest:
+                values, offset = index.pop(keys[0]), index.pop(keys[1]).astype(np.int64)
+                first, last = int(offset[0]), int(offset[-1])  # checked within values by the part's layout
+                pieces.append(values[first:last])
+                offsets.append(offset[1:] - first + base)
+                base += last - first
+            joined[keys[0]], joined[keys[1]] = np.concatenate(pieces), np.concatenate(offsets)
+        return {**join_rows(rest, counts, where), **joined}
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        payload = memoryview(data).cast("B")
+        size = int(layout.end[index]) - int(layout.start[index])
+        if payload.nbytes != size:
+            raise CorruptDataError(f"{layout.sample_name(where, index)}: {payload.nbytes} bytes "
+                                   f"where its range holds {size}; open the dataset again")
+        arrays = layout.index
+        return _sample(index, payload, arrays["labels"], arrays["shapes"], arrays["crc32"])
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        arrays = layout.index
+        sample = layout.sample_name(where, index)
+        return tuple(_field_value(index, arrays[f"values.{field.name}"], arrays.get(f"offsets.{field.name}"), sample)
+                     for field in extras)
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        crcs = layout.index.get("fields_crc32")
+        return None if crcs is None else int(crcs[index])
+
+    def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
+        """Fixed-shape raw images: one numpy gather from the map straight into ``out``."""
+        if self.offsets is not None:
+            return None
+        images = self.images
+        for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
+            out[j] = images[i]
+        return self.labels[indices]
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
+        self.open()
+        if self.offsets is None:
+            sizes = np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
+        else:
+            sizes = np.diff(np.asarray(self.offsets, dtype=np.int64))
+        return blocks_by_size(sizes, target_bytes)
+
+    def relpath(self, index: int) -> str:
+        self.open()
+        return self.file["relpaths"].asstr()[index]
+
+    def describe(self, index: int) -> str:
+        return f"{self.path} sample {index}"
+
+    def sample_file(self, index: int) -> str:
+        return FILENAME
+
+    def count_problems(self) -> list[str]:
+        count = self.manifest["count"]
+        if len(self.labels) != count:
+            return [f"{self.path}: {len(self.labels)} samples, the manifest says {count}"]
+        return []

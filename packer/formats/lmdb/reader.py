@@ -1,0 +1,300 @@
+"""The LMDB reader: one environment per process and path, shared by the readers of that path, records parsed
+without copying, checked against the manifest, and read a block at a time by ranges."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from ...errors import CorruptDataError, UsageError
+from ...fields import Field
+from ..base import Reader, Sample, blocks_by_size
+from ..identity import FileId, changed_error, check_unchanged, file_id
+from ..layout import Layout, RangeSource
+from .pages import record_ranges
+from .records import KEY_DIGITS, key, parse_record, record_fields, unpack_record
+
+
+class _SharedEnv:
+    """An environment this process opened (or inherited at a fork), and the readers that read it."""
+
+    def __init__(self, env: lmdb.Environment, path: Path):
+        self.env = env
+        self.path = path
+        self.pid = os.getpid()
+        self.users: weakref.WeakSet = weakref.WeakSet()
+
+
+# by the (st_dev, st_ino) of data.mdb: py-lmdb refuses to open the same file twice in a process, and a DEST
+# repacked with --overwrite has a new data.mdb (another inode while the old one is mapped) under the same path
+_ENVS: dict[tuple[int, int], _SharedEnv] = {}
+_generation = 0  # bumped by close_environments: a reader's handle from before it is reopened
+
+
+def close_environments() -> None:
+    """Close (unmap) every LMDB environment this process's readers share; they reopen lazily on next use.
+    Call it only when no loader is reading: closing a map under a reading thread crashes the process.
+
+    Never at a fork, on either side. In the parent, closing before the fork pulls the map from under its
+    reading threads (make_loader's decode and prefetch threads) and crashes it. In the child, py-lmdb's close
+    waits for the operations in flight when the process forked, which belonged to threads the child does not
+    have: it hangs forever. A forked child instead keeps the environments it inherited (read-only, opened with
+    ``lock=False``: no lock table or reader slot is tied to the parent) and begins its own transactions on them;
+    py-lmdb refuses to open the same files a second time in one process anyway."""
+    global _generation
+    for shared in _ENVS.values():
+        shared.env.close()
+    _ENVS.clear()
+    _generation += 1
+
+
+_ENVS_LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()  # a parent thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def _close_unused() -> None:
+    """Close the environments of replaced files that no dataset reads any more, so that the deleted files'
+    space is given back; only those this process opened (closing an inherited one hangs, see above). A thread
+    reading through an environment holds its reader, so no reader is left on a closed map."""
+    for env_key, shared in list(_ENVS.items()):
+        now = file_id(shared.path)
+        if shared.pid == os.getpid() and not shared.users and (now is None or (now.dev, now.ino) != env_key):
+            shared.env.close()
+            del _ENVS[env_key]
+
+
+def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbReader) -> lmdb.Environment:
+    """The environment of the data file noted as ``recorded``: this process's (or the one it inherited), shared
+    by every reader of that file (read-only, so sharing is safe), else opened now, after checking that the
+    file at the path is still that one. Opened under a lock: two threads opening the same dataset at once
+    (make_loader's prefetch thread and the main thread) would otherwise both open it, and one would fail."""
+    path = root / "data.mdb"
+    key = (recorded.dev, recorded.ino)
+    with _ENVS_LOCK:
+        shared = _ENVS.get(key)
+        if shared is None:
+            _close_unused()
+            try:
+                env = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead, meminit=False,
+                                max_spare_txns=1, subdir=True)
+            except lmdb.Error as exc:
+                raise CorruptDataError(f"{path}: cannot open LMDB ({exc}); run `packer verify`") from None
+            if file_id(path) != recorded:  # replaced between the check and the open
+                env.close()
+                raise changed_error(path)
+            shared = _ENVS[key] = _SharedEnv(env, path)
+        shared.users.add(user)
+        return shared.env
+
+
+class LmdbReader(Reader):
+    """Reads an LMDB dataset: per process, one read-only environment (``lock=False``) and one long-lived
+    ``buffers=True`` transaction, so a sample is a view of the memory map until it is decoded.
+
+    Readers of the same ``data.mdb`` share its environment. A DEST repacked with ``--overwrite`` holds a new
+    file: a new dataset opens it, an open one (and its forked workers) keeps reading its own, and one whose file
+    was replaced before its first read refuses (see :mod:`packer.formats.identity`).
+
+    ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
+    more, so without it a cold read faults them in one 4 KB page at a time, far slower than the folder on a
+    cold cache (docs/measurements.md); turn it off only for records much smaller than a page."""
+
+    HANDLES = ("env", "txn")
+
+    @classmethod
+    def close_process_handles(cls) -> None:
+        """The environments readers share per process and path: :func:`close_environments`."""
+        close_environments()
+
+    def __init__(self, root, manifest: dict | None = None, readahead: bool = True):
+        super().__init__(root, manifest)
+        self.readahead = readahead
+        self._count = int(self.manifest["count"])
+        self.env = None
+        self.txn = None
+        self._generation = -1
+        self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
+        self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
+
+    def _check_size(self, now: FileId) -> None:
+        """LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so
+        a file shorter than the manifest says is refused before it is mapped."""
+        path = self.root / "data.mdb"
+        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        if now.size < expected:
+            raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
+                                   "truncated; run `packer verify` and re-pack")
+
+    def _check_data(self) -> None:
+        """Check the records against the manifest before anything is sized from it: as many records as the
+        count, keys 0 to count-1 (the first and the last record), and those two well-formed samples. Every read
+        checks its record's header and label again."""
+        path = self.root / "data.mdb"
+        recorded, now = self._file_id, file_id(path)
+        if recorded is None or now is None:
+            return  # missing: opening says so, naming the file
+        check_unchanged(path, recorded, now)  # replaced since the manifest was read
+        self._check_size(now)
+        env = _shared_env(self.root, recorded, self.readahead, self)
+        with env.begin(buffers=True) as txn:
+            entries = txn.stat()["entries"]
+            if entries != self._count:
+                raise self.bad_count(path, entries)
+            if not entries:
+                return
+            cursor = txn.cursor()
+            for position, index in ((cursor.first, 0), (cursor.last, self._count - 1)):
+                if not position() or bytes(cursor.key()) != key(index):
+                    raise CorruptDataError(f"{path}: the records are not keyed 0..{self._count - 1} (found "
+                                           f"{bytes(cursor.key())[:12]!r}); the dataset is damaged, re-pack")
+                sample, _ = unpack_record(cursor.value(), self.describe(index))
+                self.check_labels(self.describe(index), np.array([sample.label]))
+                self.check_shapes(self.describe(index), np.array([sample.shape]))
+
+    def __len__(self) -> int:
+        self.validate()
+        return self._count
+
+    def _open(self) -> None:
+        path = self.root / "data.mdb"
+        now = file_id(path)
+        recorded = self._file_id = self._file_id or now
+        inherited = recorded is not None and (recorded.dev, recorded.ino) in _ENVS
+        if not inherited or (now is not None and (now.dev, now.ino) == (recorded.dev, recorded.ino)):
+            # the file at the path is the one to read: it must be there, unchanged since the manifest was read,
+            # and whole. LMDB maps the whole file and trusts it: reading a page past the end of a truncated file
+            # is SIGBUS, so a file shorter than the manifest says is refused before it is mapped
+            if now is None:
+                try:
+                    path.stat()
+                except OSError as exc:
+                    raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
+                raise changed_error(path)
+            check_unchanged(path, recorded, now)
+            self._check_size(now)
+        # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
+        self.env = _shared_env(self.root, recorded, self.readahead, self)
+        self.txn = self.env.begin(buffers=True)
+        self._generation = _generation
+        entries = self.env.stat()["entries"]
+        if entries != self._count:  # cheap (the meta page), and fewer records would read as a shorter dataset
+            raise CorruptDataError(f"{path}: holds {entries} records, the manifest says {self._count}; "
+                                   "run `packer verify`")
+
+    def open(self) -> None:
+        if self._pid is not None and self._generation != _generation:
+            self._pid = None  # close_environments() closed this process's environments
+        super().open()
+
+    def _value(self, index: int) -> memoryview:
+        try:
+            value = self.txn.get(key(index))
+        except lmdb.Error as exc:
+            raise CorruptDataError(f"{self.describe(index)}: LMDB read failed ({exc}); run `packer verify`") from None
+        if value is None:
+            raise CorruptDataError(f"{self.describe(index)}: record missing; the dataset is damaged, re-pack")
+        return value
+
+    def _get(self, index: int) -> tuple[Sample, str]:
+        return unpack_record(self._value(index), self.describe(index))
+
+    def read(self, index: int) -> Sample:
+        # the hot path: check the header and slice the payload, without decoding the path or naming the sample
+        sample = parse_record(self._value(index), lambda: self.describe(index))[0]
+        if not self.label_low <= sample.label < self.label_high:
+            self.check_labels(self.describe(index), np.array([sample.label]))
+        return sample
+
+    def _fields(self, index: int) -> tuple[tuple[memoryview, ...], int]:
+        return record_fields(self._value(index), self.describe(index))
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        return self._fields(index)[0]
+
+    def fields_checksum(self, index: int) -> int | None:
+        return self._fields(index)[1]
+
+    # -- reading by byte ranges (packer.formats.layout): the same records, found by walking data.mdb's pages ----
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """Each record's value in ``data.mdb`` (in its leaf page, or after its overflow page's header), from the
+        B-tree's pages read by ranges, one round trip per tree level (:func:`lmdb_pages.record_ranges`; no
+        py-lmdb, no payload read). ``index`` is empty: each record carries its own header.
+
+        Raises:
+            UsageError: a dataset converted in parts, or an LMDB file of another build than py-lmdb's here.
+            CorruptDataError: ``data.mdb`` is damaged, or not keyed ``0..count-1`` as the manifest counts.
+        """
+        if manifest.get("parts") is not None:
+            raise UsageError(f"{where}: converted in {len(manifest['parts'])} parts, each its own data.mdb: it "
+                             "cannot be read a block at a time; raise cache_limit to the dataset's size")
+        name = f"{str(where).rstrip('/')}/data.mdb"
+        count = int(manifest["count"])
+        start, end = record_ranges(source, "data.mdb", count, KEY_DIGITS, name)
+        layout = Layout(("data.mdb",), np.zeros(count, np.int32), start, end)
+        layout.check(count, [source.size("data.mdb")], name)
+        return layout
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        """:meth:`read` of sample ``index`` from its record's bytes (``data``: the LMDB value), parsed as
+        :meth:`read` parses it; ``where``, the dataset's URL or folder, names it in errors (only then). The label
+        is NOT checked against the dataset's classes here (a classmethod has no manifest): the caller does, with
+        :meth:`Reader.check_labels` (and :meth:`Reader.checked` checks the crc32 and the class folder)."""
+        return parse_record(data, lambda: layout.sample_name(where, index))[0]
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        """:meth:`read_extras` of sample ``index`` from its record's bytes; :class:`CorruptDataError` naming
+        the sample (from ``where``, as :meth:`ranged_sample`) when the record holds another number of fields than
+        ``extras``."""
+        sample = layout.sample_name(where, index)
+        values = record_fields(data, sample)[0]
+        if len(values) != len(extras):
+            raise CorruptDataError(f"{sample}: holds {len(values)} fields, the manifest says {len(extras)}; run "
+                                   "`packer verify`")
+        return values
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        """:meth:`fields_checksum` of sample ``index`` from its record's bytes (errors name its file and index)."""
+        return record_fields(data, f"{layout.files[int(layout.file[index])]} sample {index}")[1]
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Index ranges of about ``target_bytes`` of records: records are written in index order, so their
+        values lie in the file roughly in that order. The sizes come from the B-tree's leaves (a large value's
+        own pages are not read)."""
+        self.open()
+        sizes = np.fromiter((len(value) for _, value in self.txn.cursor()), np.int64, self._count)
+        return blocks_by_size(sizes, target_bytes)
+
+    def relpath(self, index: int) -> str:
+        self.open()
+        return self._get(index)[1]
+
+    def describe(self, index: int) -> str:
+        return f"{self._data_name} sample {index}"
+
+    def sample_file(self, index: int) -> str:
+        return "data.mdb"
+
+    def count_problems(self) -> list[str]:
+        entries = self.env.stat()["entries"]
+        count = self.manifest["count"]
+        if entries != count:
+            return [f"{self.root / 'data.mdb'}: {entries} records, the manifest says {count}"]
+        return []

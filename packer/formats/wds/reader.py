@@ -1,0 +1,388 @@
+"""The WebDataset reader: packer's shards memory-mapped and read through their index (or shards other tools wrote,
+through their scan), checked against the manifest, read a block at a time by ranges, and streamed."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CorruptDataError, ManifestError, PackerError, UsageError, warn
+from ...fields import PAIR_SCHEMA, Field, label_field
+from ...manifest import is_safe_relpath
+from ..base import Reader, Sample, StreamSample, run_starts
+from ..identity import FileId, changed_error, check_unchanged, file_id
+from ..layout import Layout, RangeSource
+from .foreign import ForeignShards, scan_shards
+from .layout import ranged_extras, ranged_fields_checksum, ranged_sample, read_index, shard_layout
+from .members import (
+    INDEX,
+    INDEX_DTYPE,
+    after_json,
+    field_members,
+    fields_checksum_of,
+    packer_info,
+    payload_sample,
+    read_shard,
+    shard_name,
+    stored_bytes,
+)
+
+
+def brace_pattern(dest: str, paths: list[str]) -> str:
+    """The shards as a string the ``webdataset`` library expands: ``DEST/shard-{000000..000012}.tar`` (one
+    range per folder of consecutive shards, ranges joined by ``::``, as ``webdataset.WebDataset`` accepts)."""
+    groups: dict[str, list[int]] = {}
+    for path in paths:
+        m = re.fullmatch(r"(.*?)shard-(\d{6})\.tar", path)
+        if m is None:
+            return "::".join(f"{dest.rstrip('/')}/{p}" for p in paths)
+        groups.setdefault(m.group(1), []).append(int(m.group(2)))
+    out = []
+    for folder, numbers in groups.items():
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))) and len(numbers) > 1:
+            out.append(f"{dest.rstrip('/')}/{folder}shard-{{{numbers[0]:06d}..{numbers[-1]:06d}}}.tar")
+        else:
+            out += [f"{dest.rstrip('/')}/{folder}{shard_name(n)}" for n in numbers]
+    return "::".join(out)
+
+
+class WdsReader(Reader):
+    """Random access over WebDataset shards, through byte offsets recorded at pack time: exact ``len()``,
+    shuffling and ``DistributedSampler`` work as for the other formats. Shards are memory-mapped per process.
+
+    Shards written by other tools (``webdataset.ShardWriter``, img2dataset...) are read with
+    :meth:`from_shards`. For sequential or remote reading through the ``webdataset`` library, see
+    :func:`packer.stream`."""
+
+    HANDLES = ("index", "maps")
+
+    def __init__(self, root, manifest: dict | None = None, foreign: ForeignShards | None = None):
+        super().__init__(root, manifest)
+        self._count = int(self.manifest["count"])
+        self.shard_paths = [self.root / s["path"] for s in self.manifest.get("shards", [])]
+        self.index = None
+        self.maps: list | None = None
+        self.foreign = foreign  # shards packer did not write: their index, built from the tar headers
+        self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
+        # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
+        # by a repack of DEST before then is refused rather than read at the old index's offsets
+        self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
+
+    def _check_data(self) -> None:
+        """Check the index against the manifest and the shards before anything is sized from either: one row
+        per sample, the manifest's shard counts adding up to the count and matching the rows of each shard,
+        labels class indices and shapes images (a truncated shard is named per sample, as it is read). The index
+        is mapped, not read."""
+        if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
+            return
+        path = self.root / INDEX
+        try:
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded, now = self._file_ids.get(path), file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # replaced since the manifest was read
+            raise changed_error(path)
+        self.check_rows(index, path, self.root / "manifest.json")
+
+    def check_rows(self, index: np.ndarray, path: object, manifest_path: object) -> None:
+        """The checks of the shard index (``path`` and ``manifest_path`` name the files in messages) against the
+        manifest: one row per sample, the manifest's shard counts adding up to the count and matching the rows
+        of each shard, labels class indices and shapes images. Reads no file: the local reader checks its mapped
+        index so, :meth:`layout` the index it read by ranges."""
+        shards = self.manifest.get("shards", [])
+        if index.dtype != INDEX_DTYPE or index.ndim != 1:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise self.bad_count(path, len(index))
+        if sum(int(s.get("count", 0)) for s in shards) != self._count:
+            raise self.bad_count(f"{manifest_path} (its shard counts)",
+                                 sum(int(s.get("count", 0)) for s in shards))
+        if not len(index):
+            return
+        shard = np.asarray(index["shard"])
+        if int(shard.max()) >= len(shards):
+            raise CorruptDataError(f"{path}: names shard {int(shard.max())}, the manifest lists {len(shards)}; re-pack")
+        per_shard = np.bincount(shard, minlength=len(shards))
+        counts = [int(s.get("count", 0)) for s in shards]
+        if per_shard.tolist() != counts:
+            raise CorruptDataError(f"{path}: holds {per_shard.tolist()[:8]} samples per shard, the manifest says "
+                                   f"{counts[:8]}; the dataset is damaged, re-pack")
+        self.check_labels(path, np.asarray(index["label"]))
+        self.check_shapes(path, np.asarray(index["shape"]))
+
+    @classmethod
+    def from_shards(cls, paths: Sequence[str | os.PathLike], label_key: str | None = "cls",
+                    classes: list[str] | None = None, warn_skipped: bool = True,
+                    keep_fields: bool = False) -> WdsReader:
+        """Random access to shards packer did not write: one sample per key with an image member (jpg, png,
+        webp, bmp, tif, ppm or uint8 npy) and an integer label from ``label_key`` (``cls``, or ``json:FIELD``;
+        None: ``cls`` where the shards have it, else no label). With ``keep_fields`` every other member is a
+        field (:func:`shard_field`). The index is built once, from the tar headers. Classes default to
+        ``"0"``..``"max label"``.
+
+        What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
+        in the reader's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
+        warning line; what it refuses raises."""
+        paths = [Path(p) for p in paths]
+        if not paths:
+            raise PackerError("from_shards needs at least one shard path")
+        skipped: list[tuple[str, str]] = []
+        foreign = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        if not keep_fields:  # image and label only
+            foreign = foreign._replace(members=foreign.members[:, :0], fields=[])
+        index = foreign.index
+        if len(index) == 0:
+            raise PackerError(f"{paths[0]}: no samples with an image in these shards")
+        if classes is None:
+            classes = [str(i) for i in range(int(index["label"].max()) + 1)] if foreign.labelled else []
+        root = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
+        manifest = {"format": "wds", "count": len(index), "classes": list(classes),
+                    "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
+                    "shape": None, "checksum": "none",
+                    "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
+        if foreign.fields or not foreign.labelled:
+            schema = [PAIR_SCHEMA[0], *([Field("label", "class")] if foreign.labelled else []), *foreign.fields]
+            manifest["fields"] = [f.to_dict() for f in schema]
+        reader = cls(root, manifest=manifest, foreign=foreign)
+        reader.skipped = skipped
+        if skipped and warn_skipped:
+            rel, why = skipped[0]
+            shard = next(p for p in paths if p.name == rel.split("/", 1)[0])
+            warn(f"skipped {len(skipped)} member(s) of these shards, listed in the dataset's `skipped`; the first: "
+                 f"{shard}/{rel.split('/', 1)[1]}: {why}")
+        return reader
+
+    @classmethod
+    def from_foreign(cls, paths: list[Path], label_key: str | None = None) -> WdsReader:
+        """Shards another tool wrote, every member beyond the image and the label a field (:meth:`from_shards`)."""
+        return cls.from_shards(paths, label_key=label_key, warn_skipped=False, keep_fields=True)
+
+    @classmethod
+    def check_manifest(cls, data: dict, where: str) -> None:
+        """``shards``: a list of ``{path, count}``, each path inside the dataset, each count an int from 0."""
+        shards = data.get("shards", [])
+        if not isinstance(shards, list) or not all(
+                isinstance(s, dict) and isinstance(s.get("path"), str) and is_safe_relpath(s["path"])
+                and isinstance(s.get("count", 0), int) for s in shards):
+            raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
+        if any(isinstance(s.get("count", 0), bool) or s.get("count", 0) < 0 for s in shards):
+            raise ManifestError(f"{where}: a negative count in 'shards'; the dataset is damaged, re-pack it")
+
+    @classmethod
+    def summary(cls, dest: str, manifest: dict) -> list[str]:
+        """How many shards, their sizes in samples, and the brace pattern the ``webdataset`` library reads."""
+        shards = manifest.get("shards")
+        if not shards:
+            return []
+        counts = [s["count"] for s in shards]
+        return [f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each",
+                f"  webdataset: {brace_pattern(dest, [s['path'] for s in shards])}"]
+
+    @classmethod
+    def stream_files(cls, manifest: dict) -> list[tuple[str, int]] | None:
+        return [(s["path"], int(s["count"])) for s in manifest.get("shards") or []] or None
+
+    @classmethod
+    def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None,
+                    wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+        return read_shard(path, extras, where, wanted)
+
+    @classmethod
+    def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
+        """One range per sample from the shard index, read whole through ``source`` and checked as a local
+        reader checks it (:meth:`check_rows`); see :mod:`packer.formats.wds.layout`. Shards packer did not
+        write have no index: :class:`UsageError`."""
+        listed = {e.get("path") for e in manifest.get("files", []) if isinstance(e, dict)}
+        if INDEX not in listed or not manifest.get("shards"):
+            raise UsageError(f"{where}: shards without packer's index ({INDEX}) cannot be read a block at a time; "
+                             "pack them first (`packer pack SHARDS DEST --format wds`)")
+        rows = read_index(source, INDEX, int(manifest["count"]), where)
+        root = where.rstrip("/")
+        reader = cls(root, manifest)  # the manifest's reader, for its checks: it opens no file
+        reader.check_rows(rows, f"{root}/{INDEX}", f"{root}/manifest.json")
+        shards = [s["path"] for s in manifest["shards"]]
+        return shard_layout(rows, INDEX, shards, [source.size(p) for p in shards], reader._has_crc,
+                            bool(reader.extra_fields), where)
+
+    @classmethod
+    def ranged_sample(cls, index: int, data: memoryview, layout: Layout, where: str) -> Sample:
+        return ranged_sample(index, data, layout, where)
+
+    @classmethod
+    def ranged_extras(cls, index: int, data: memoryview, layout: Layout, extras: Sequence[Field],
+                      where: str) -> tuple[memoryview | bytes, ...]:
+        return ranged_extras(index, data, layout, extras, where)
+
+    @classmethod
+    def ranged_fields_checksum(cls, index: int, data: memoryview, layout: Layout) -> int | None:
+        return ranged_fields_checksum(index, data, layout)
+
+    def __len__(self) -> int:
+        self.validate()
+        return self._count
+
+    def _open(self) -> None:
+        # a forked worker keeps the index and shards its parent mapped (the files the parent reads)
+        if self.maps is None:
+            self.maps = [None] * len(self.shard_paths)
+        if self.index is not None:
+            return
+        if self.foreign is not None:
+            self.index = self.foreign.index
+            return
+        path = self.root / INDEX
+        try:
+            index = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        recorded = self._file_ids.get(path)
+        now = file_id(path)
+        if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
+            raise changed_error(path)
+        self._file_ids[path] = now
+        if index.dtype != INDEX_DTYPE:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise CorruptDataError(f"{path}: holds {len(index)} samples, the manifest says {self._count}; "
+                                   "run `packer verify`")
+        self.index = index
+
+    def _map(self, shard: int) -> mmap.mmap:
+        m = self.maps[shard]
+        if m is None:
+            path = self.shard_paths[shard]
+            try:
+                with open(path, "rb") as f:
+                    now = FileId.of(os.fstat(f.fileno()))
+                    check_unchanged(path, self._file_ids.get(path), now)
+                    m = self.maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                if self._file_ids.get(path) is not None:  # there when the manifest was read
+                    raise changed_error(path) from None
+                raise CorruptDataError(f"{path}: cannot map shard (no such file); run `packer verify`") from None
+            except (OSError, ValueError) as exc:
+                raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
+        return m
+
+    def read(self, index: int) -> Sample:
+        # one .item() for the whole row: a field at a time was a quarter of the read
+        shard, a, size, _, _, label, crc, shape = self.index[index].item()
+        if shard >= len(self.shard_paths):
+            raise CorruptDataError(f"{self.describe(index)}: index names a missing shard; re-pack")
+        return payload_sample(self._map(shard), a, size, label, crc if self._has_crc else None,
+                              tuple(shape.tolist()), self.shard_paths[shard], index)
+
+    def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
+        """The members after the json member, in order: each header names the field it should be (shards packer
+        did not write: the members their scan found)."""
+        row = self.index[index]
+        shard = int(row["shard"])
+        m = memoryview(self._map(shard))
+        where = f"{self.shard_paths[shard]} sample {index}"
+        if self.foreign is not None:
+            return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
+                         for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
+        return field_members(m, after_json(int(row["json_offset"]), int(row["json_size"])), self.extra_fields,
+                             where)
+
+    def fields_checksum(self, index: int) -> int | None:
+        if self.foreign is not None:
+            return None  # other tools record none
+        return fields_checksum_of(self._info(index))
+
+    def _info(self, index: int) -> dict:
+        """Packer's json member of sample ``index``."""
+        row = self.index[index]
+        a, size = int(row["json_offset"]), int(row["json_size"])
+        return packer_info(self._map(int(row["shard"]))[a:a + size], self.describe(index))
+
+    def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
+        if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
+            return self._as_array(index, sample, "uint8")
+        return super().stored_array(index, sample)
+
+    def class_counts(self) -> np.ndarray:
+        """From the index's labels, without mapping a shard."""
+        self.open()
+        labels = np.asarray(self.index["label"], dtype=np.int64)
+        return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
+
+    def stored_sizes(self) -> np.ndarray:
+        self.open()
+        return np.asarray(self.index["size"], dtype=np.int64)
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
+        self.open()
+        return run_starts(self.index["shard"])
+
+    def relpath(self, index: int) -> str:
+        if self.foreign is not None:
+            return str(self.foreign.relpaths[index])
+        self.open()
+        relpath = self._info(index).get("relpath")
+        if not isinstance(relpath, str):
+            raise CorruptDataError(f"{self.describe(index)}: damaged json member; re-pack")
+        return relpath
+
+    def describe(self, index: int) -> str:
+        if self.index is not None and 0 <= index < len(self.index):
+            shard = int(self.index[index]["shard"])
+            if shard < len(self.shard_paths):
+                return f"{self.shard_paths[shard]} sample {index}"
+        return f"{self.root} sample {index}"
+
+    def sample_file(self, index: int) -> str:
+        return self.manifest["shards"][int(self.index[index]["shard"])]["path"]
+
+    def count_problems(self) -> list[str]:
+        shards, count = self.manifest.get("shards", []), self.manifest["count"]
+        if sum(s["count"] for s in shards) != count:
+            return [f"{self.root}: shard counts add up to {sum(s['count'] for s in shards)}, not {count}"]
+        return []
+
+    def index_files(self) -> tuple[str, ...]:
+        return (INDEX,)  # labels and locations: all from it
+
+    def member_problems(self, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
+        """The labels webdataset readers see (the ``.cls`` and ``.json`` members) must agree with the index."""
+        problems = []
+        for shard_no, shard in enumerate(self.manifest.get("shards", [])):
+            path = self.root / shard["path"]
+            if not (deep or shard["path"] in damaged_files) or not path.exists():
+                continue
+            try:
+                with tarfile.open(path, "r:") as tar:
+                    for member in tar:
+                        problems += self._member_problem(tar, member, path, shard_no, key_offset)
+            except (OSError, tarfile.TarError) as exc:
+                problems.append(f"{path}: damaged tar shard ({exc})")
+        return problems
+
+    def _member_problem(self, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, shard_no: int,
+                        key_offset: int) -> list[str]:
+        key, _, ext = member.name.partition(".")
+        meta = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        if ext not in ("cls", meta) or label_field(self.schema) is None or not key.isdigit():
+            return []
+        if not 0 <= int(key) - key_offset < len(self):
+            return []
+        index = int(key) - key_offset
+        data = tar.extractfile(member).read()
+        try:
+            label = int(data) if ext == "cls" else int(json.loads(data)["label"])  # packer's json member
+        except (ValueError, KeyError, TypeError):
+            label = None
+        row = self.index[index]
+        if label != int(row["label"]) or int(row["shard"]) != shard_no:
+            return [f"{path} sample {index}: the .{ext} member says label {label}, the index says "
+                    f"{int(row['label'])}; the label is damaged"]
+        return []
