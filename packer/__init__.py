@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "pack": "packer.packing.pack",
     "export": "packer.exports.folder",
-    "to_hf": "packer.sources.hf",
+    "to_hf": "packer.exports.hf",
     "open_dataset": "packer.reading.dataset",
     "read_manifest": "packer.remote",
     "LmdbDataset": "packer.reading.dataset",

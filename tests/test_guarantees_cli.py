@@ -343,7 +343,7 @@ def test_a_killed_worker_is_one_line_and_resume_continues(src, tmp_path):
     dest = tmp_path / "ds"
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from packer.sources import detect as sources
+        from packer.sources import folder as sources
         convert = sources.FolderSampleReader.convert
         parent = os.getpid()
 

@@ -215,7 +215,7 @@ REMOTE_IMPORTERS = {
     "packer.packing.upload": "uploads a finished conversion to a URL, manifest last",
     "packer.reading.dataset": "open_dataset(): a URL is fetched into the cache",
     "packer.exports.folder": "export(): a URL is fetched into the cache",
-    "packer.sources.hf": "to_hf(): a URL is fetched into the cache",
+    "packer.exports.hf": "to_hf(): a URL is fetched into the cache",
     "packer.verify": "verify(): a URL's objects are fetched afresh into a temporary cache and checked",
     "packer.loading.stream": "stream(): a URL becomes its manifest and one Fetchable per shard, fetched when read",
     "packer.bench.remote": "packer bench URL: counts the bytes and requests each epoch fetched",
@@ -292,7 +292,7 @@ FORMAT_IMPORTS_ALLOWED = {
 FORMAT_MANIFEST_KEYS = {"shards"}
 # module -> how many times it may name such a key for something else, and why
 KEY_MENTIONS_ALLOWED = {
-    "packer/sources/detect.py": 1,  # ShardsSource.kind = "shards": the kind of source (source_base.Source.kind)
+    "packer/sources/shards.py": 1,  # ShardsSource.kind = "shards": the kind of source (sources.base.Source.kind)
 }
 
 

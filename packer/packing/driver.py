@@ -1,8 +1,9 @@
 """The conversion sequence, written once: plan, lock DEST, prepare or resume it, convert, write the manifest.
 
 One process converts everything into DEST; under torchrun every rank converts its part (:mod:`packer.packing.ranks`)
-and rank 0 writes one manifest over all of them. Who does what is the coordinator's (:mod:`packer.packing.coordinator`);
-the work is the engine's (:mod:`packer.packing.convert`), the progress record the journal's
+and rank 0 writes one manifest over all of them. Who does what is the coordinator's
+(:mod:`packer.packing.coordinator`); the plan is :mod:`packer.packing.plan`'s, DEST's preparation
+:mod:`packer.packing.prepare`'s, the work :mod:`packer.packing.convert`'s, the progress record the journal's
 (:mod:`packer.packing.journal`). Each step calls down, into modules that do not call back. :func:`packer.pack`
 (:mod:`packer.packing.pack`) and the upload to a URL (:mod:`packer.packing.upload`) both run :func:`pack_folder`.
 """
@@ -19,12 +20,14 @@ from typing import Any
 from ..arguments import shown, spelled
 from ..errors import DestinationError, NothingPackedError
 from ..manifest import MANIFEST, read_local_manifest
-from .convert import Converted, Plan, build_plan, convert_samples, make_manifest, prepare_dest
+from .convert import Converted, convert_samples
 from .coordinator import Coordinator, detect, early_rank
 from .dest import is_regular_file
-from .journal import differences, discard, finish, resumable, start
+from .journal import differences, discard, finish
 from .lock import OutputLock, check_free
 from .options import PackOptions
+from .plan import Plan, build_plan, make_manifest
+from .prepare import open_dest
 from .ranks import convert_part, merge
 
 
@@ -93,7 +96,7 @@ def _convert(coordinator: Coordinator, src: str | os.PathLike | Any, options: Pa
     with coordinator.lock(dest):
         # ranks leave DEST in place when they packed nothing: it is their shared folder
         created = coordinator.part is None and not _exists(dest)
-        journal, resuming = _open_dest(dest, plan) if coordinator.leads else (None, False)
+        journal, resuming = open_dest(dest, plan) if coordinator.leads else (None, False)
         resuming = coordinator.agree(resuming, plan.record)  # the other ranks take rank 0's answer
         started = time.time()
         try:
@@ -107,15 +110,6 @@ def _convert(coordinator: Coordinator, src: str | os.PathLike | Any, options: Pa
             raise
     coordinator.announce()
     return manifest
-
-
-def _open_dest(dest: Path, plan: Plan) -> tuple[dict, bool]:
-    """DEST's journal and whether it resumes: the interrupted conversion's, or a fresh one in DEST prepared."""
-    journal = resumable(dest, plan.record, plan.options.resume)
-    if journal is not None:
-        return journal, True
-    prepare_dest(dest, plan)
-    return start(dest, plan.record), False
 
 
 def _write_share(coordinator: Coordinator, plan: Plan, dest: Path, journal: dict | None, resuming: bool,

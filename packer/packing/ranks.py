@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DestinationError, NothingPackedError, PackerError
-from .convert import Plan, convert_samples, make_manifest
+from .convert import convert_samples
 from .coordinator import Coordinator
 from .dest import PART, PART_INFO, part_problems, prepare_output
 from .journal import finish, resumable, start
+from .plan import Plan, make_manifest
 
 
 def convert_part(ctx: Coordinator, plan: Plan, dest: Path, a: int, b: int, resuming: bool) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Scanning an image folder with torchvision ``ImageFolder`` semantics.
+"""An image folder as a source: scanned with torchvision ``ImageFolder`` semantics (:func:`scan_folder`), each
+image read and converted by a worker (:class:`FolderSource`, :class:`FolderSampleReader`).
 
 The rules, as in ``torchvision.datasets.folder`` (``ImageFolder(root, allow_empty=True)``):
 
@@ -6,7 +7,8 @@ The rules, as in ``torchvision.datasets.folder`` (``ImageFolder(root, allow_empt
   from 0 in that order;
 - each class folder is walked recursively with ``os.walk(followlinks=True)``, the walk sorted by folder path and
   the files of each folder sorted by name;
-- a file is an image when its name ends, case-insensitively, in one of :data:`IMG_EXTENSIONS`.
+- a file is an image when its name ends, case-insensitively, in one of
+  :data:`packer.images.transforms.IMG_EXTENSIONS`.
 
 One deliberate difference: hidden entries (a name that starts with ``.``, such as ``.ipynb_checkpoints`` or
 ``.DS_Store``) are skipped and counted, unless ``include_hidden=True``. ImageFolder would make
@@ -15,12 +17,17 @@ One deliberate difference: hidden entries (a name that starts with ``.``, such a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import SourceError
-from ..images.transforms import IMG_EXTENSIONS, is_image_file
+from ..images.transforms import IMG_EXTENSIONS, Encoded, TransformSpec, convert_file, is_image_file
+from .base import SampleReader, Source
 
 
 @dataclass
@@ -148,3 +155,62 @@ def _scan_class(root: Path, cls: str, label: int, include_hidden: bool, result: 
             result.samples.append((rel, label))
             count += 1
     return count
+
+
+# -- image folders -----------------------------------------------------------------------------------------------
+class FolderSampleReader(SampleReader):
+    """The source images of an image folder, read and converted one by one for a conversion."""
+
+    def __init__(self, root: str, samples: list[tuple[str, int]]):
+        self.root = root
+        self.samples = samples
+
+    def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
+        relpath, label = self.samples[index]
+        return relpath, label, convert_file(os.path.join(self.root, relpath), relpath, spec), ()
+
+    def name(self, index: int) -> str:
+        return self.samples[index][0]
+
+
+class FolderSource(Source):
+    """An ImageFolder, scanned with :func:`packer.scan_folder`."""
+
+    kind = "folder"
+
+    def __init__(self, root: str | os.PathLike, include_hidden: bool = False):
+        scan = scan_folder(root, include_hidden=include_hidden)
+        super().__init__(Path(root), scan.classes, len(scan.samples))
+        self.samples = scan.samples
+        self.hidden_skipped = scan.hidden_skipped
+        self.empty_classes = scan.empty_classes
+        self.errors = scan.errors
+        self._stats: tuple[np.ndarray, str] | None = None
+
+    def _stat(self) -> tuple[np.ndarray, str]:
+        """One pass over the files: their sizes, and a digest of what the scan found (paths, labels, sizes,
+        mtimes)."""
+        if self._stats is None:
+            sizes = np.zeros(len(self.samples), np.int64)
+            h = hashlib.sha256(json.dumps([self.classes, self.errors]).encode())
+            for i, (rel, label) in enumerate(self.samples):
+                try:
+                    st = os.stat(self.root / rel)
+                    sizes[i] = st.st_size
+                    h.update(f"{rel}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                except OSError:
+                    h.update(f"{rel}\0{label}\0missing\n".encode())
+            self._stats = sizes, h.hexdigest()
+        return self._stats
+
+    def sizes(self) -> np.ndarray:
+        return self._stat()[0]
+
+    def fingerprint(self) -> str:
+        return self._stat()[1]
+
+    def reader(self) -> SampleReader:
+        return FolderSampleReader(str(self.root), self.samples)
+
+    def where(self, relpath: str) -> str:
+        return str(self.root / relpath)

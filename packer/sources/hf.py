@@ -1,4 +1,6 @@
-"""Hugging Face ``datasets`` interop: a ``datasets.Dataset`` as a pack source, and a packed dataset read back as one.
+"""A Hugging Face ``datasets.Dataset`` as a pack source (``hf:NAME`` or a ``save_to_disk`` folder): its image
+column, its labels and every other column as a field (:func:`packer.exports.hf.to_hf` reads a packed dataset back as
+one).
 
 Packing (``packer pack hf:PATH_OR_NAME DEST`` or ``packer.pack(dataset, DEST)``): PATH is a folder written by
 ``save_to_disk`` (a ``DatasetDict`` folder gives its ``--split``, default ``train``) or a folder of data files
@@ -24,9 +26,7 @@ is needed.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import os
 import re
 import sys
 from dataclasses import replace
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ImageError, PackerError, SourceError, UsageError, warn
-from ..fields import NUMERIC, Field, decode, encode, extra_fields, label_field
-from ..images.transforms import MAX_SIDE, Encoded, TransformSpec, convert_bytes, convert_file, to_pil
+from ..errors import ImageError, SourceError, UsageError, warn
+from ..fields import Field, encode, extra_fields
+from ..images.transforms import MAX_SIDE, Encoded, TransformSpec, convert_bytes, convert_file
 from .base import SampleReader, Source
 
 PREFIX = "hf:"
@@ -56,7 +56,7 @@ def is_hf(src: object) -> bool:
     return module is not None and isinstance(src, (module.Dataset, module.DatasetDict))
 
 
-def _datasets():
+def import_datasets():
     try:
         import datasets
     except ImportError:
@@ -101,13 +101,13 @@ def _pick_split(datasets, loaded, split: str | None, where: str) -> tuple[Any, s
     return loaded, None if loaded.split is None else str(loaded.split)
 
 
-def _feature_type(feature: Any) -> str:
+def feature_type(feature: Any) -> str:
     return type(feature).__name__
 
 
 def _field_of(name: str, feature: Any) -> Field | None:
     """The field a column of ``feature`` packs as; None for a kind of column that is not packed."""
-    kind = _feature_type(feature)
+    kind = feature_type(feature)
     if kind == "Value":
         dtype = str(feature.dtype)
         if dtype in _INTS:
@@ -125,7 +125,7 @@ def _field_of(name: str, feature: Any) -> Field | None:
         return Field(name, "image")
     if kind in ("Sequence", "List", "LargeList"):
         inner = feature.feature
-        if _feature_type(inner) == "Value" and str(inner.dtype) in _INTS + _FLOATS:
+        if feature_type(inner) == "Value" and str(inner.dtype) in _INTS + _FLOATS:
             length = getattr(feature, "length", -1)
             return Field(name, "int64" if str(inner.dtype) in _INTS else "float32",
                          (length,) if length and length > 0 else None)
@@ -158,7 +158,7 @@ def _lengths(chunk) -> np.ndarray:
 
 def _jsonable(feature: Any) -> bool:
     """Whether values of ``feature`` are plain JSON (no images, audio, binary or timestamps inside)."""
-    kind = _feature_type(feature)
+    kind = feature_type(feature)
     if isinstance(feature, dict):
         return all(_jsonable(f) for f in feature.values())
     if isinstance(feature, list):
@@ -223,23 +223,23 @@ class HfSource(Source):
 
     def __init__(self, src: Any, split: str | None = None, image_column: str | None = None,
                  label_column: str | None = None):
-        datasets = _datasets()
+        datasets = import_datasets()
         dataset, self.name, folder, self.split = _loaded(src, split)
         features = dataset.features
-        columns = ", ".join(f"{k} ({_feature_type(v)})" for k, v in features.items()) or "none"
-        image = image_column or next((k for k, v in features.items() if _feature_type(v) == "Image"), None)
+        columns = ", ".join(f"{k} ({feature_type(v)})" for k, v in features.items()) or "none"
+        image = image_column or next((k for k, v in features.items() if feature_type(v) == "Image"), None)
         if image is None:
             raise SourceError(f"{self.name}: no Image column (columns: {columns}); cast one with "
                               "dataset.cast_column(NAME, datasets.Image()), or name it with --image-column")
         for option, column in (("--image-column", image), ("--label-column", label_column)):
             if column is not None and column not in features:
                 raise UsageError(f"{option} {column}: {self.name} has no column {column!r} (columns: {columns})")
-        if _feature_type(features[image]) != "Image":
-            raise UsageError(f"--image-column {image}: is a {_feature_type(features[image])} column, not an Image() "
+        if feature_type(features[image]) != "Image":
+            raise UsageError(f"--image-column {image}: is a {feature_type(features[image])} column, not an Image() "
                              f"one (columns: {columns})")
-        label = label_column or next((k for k, v in features.items() if _feature_type(v) == "ClassLabel"), None)
-        if label is not None and _feature_type(features[label]) != "ClassLabel":
-            raise UsageError(f"--label-column {label}: is a {_feature_type(features[label])} column, not a "
+        label = label_column or next((k for k, v in features.items() if feature_type(v) == "ClassLabel"), None)
+        if label is not None and feature_type(features[label]) != "ClassLabel":
+            raise UsageError(f"--label-column {label}: is a {feature_type(features[label])} column, not a "
                              "ClassLabel; cast it with dataset.class_encode_column")
         classes = list(features[label].names) if label is not None else []
         labels = np.zeros(0, np.int64)
@@ -264,7 +264,7 @@ class HfSource(Source):
             except ValueError as exc:
                 raise SourceError(f"{self.name}: {exc} (dataset.rename_column)") from None
             if field is None:
-                warn(f"{self.name}: column {column!r} ({_feature_type(feature)}) is not packed: packer keeps images, "
+                warn(f"{self.name}: column {column!r} ({feature_type(feature)}) is not packed: packer keeps images, "
                      "numbers, text, lists and dicts")
                 continue
             if field.name == "image":
@@ -280,7 +280,7 @@ class HfSource(Source):
         used = [image, *([label] if label else []), *self.columns]
         self.dataset = dataset.select_columns(used)
         for column in used:
-            if _feature_type(features[column]) == "Image":
+            if feature_type(features[column]) == "Image":
                 self.dataset = self.dataset.cast_column(column, datasets.Image(decode=False))
 
     def sizes(self) -> np.ndarray:
@@ -322,7 +322,7 @@ def _loaded(src: Any, split: str | None) -> tuple[Any, str, Path | None, str | N
     """``(dataset, name, folder, split)``: the ``datasets.Dataset`` that ``src`` names (``hf:PATH_OR_NAME``, a
     ``Dataset`` or a ``DatasetDict``), how messages name it, its folder (None for a Hub name or an object) and
     the split taken (None for a lone ``Dataset`` without one). One-line errors for a missing dataset or split."""
-    datasets = _datasets()
+    datasets = import_datasets()
     folder = None
     if isinstance(src, str):
         name = src[len(PREFIX):]
@@ -343,102 +343,3 @@ def _loaded(src: Any, split: str | None) -> tuple[Any, str, Path | None, str | N
         loaded, where = src, f"the datasets.{type(src).__name__}"
     dataset, chosen = _pick_split(datasets, loaded, split, where)
     return dataset, where, folder, chosen
-
-
-# -- reading a packed dataset back as a datasets.Dataset ------------------------------------------------------------
-def _hf_feature(datasets, field: Field, source: dict) -> Any:
-    if field.kind in NUMERIC:
-        value = datasets.Value(field.kind)
-        return value if field.shape == () else datasets.List(value, length=field.shape[0] if field.shape else -1)
-    if field.kind == "text":
-        return datasets.Value("string")
-    if field.kind == "bytes":
-        return datasets.Value("binary")
-    if field.kind in ("image", "mask"):
-        return datasets.Image()
-    recorded = (source.get("json_features") or {}).get(field.name) if source.get("kind") == "hf" else None
-    if recorded is not None:
-        return datasets.Features.from_dict({field.name: recorded})[field.name]
-    return datasets.Value("string")
-
-
-def _features(datasets, reader, source: dict):
-    schema = reader.schema
-    label = label_field(schema)
-    image = source.get("image_column") if source.get("kind") == "hf" else None
-    features = {image or "image": datasets.Image()}
-    if label is not None:
-        features[label.name] = datasets.ClassLabel(names=list(reader.classes))
-    for field in extra_fields(schema):
-        features[field.name] = _hf_feature(datasets, field, source)
-    return datasets.Features(features)
-
-
-def _rows(root: str, digest: str):
-    """The generator :func:`to_hf` hands to ``Dataset.from_generator``: one row per stored sample, in order
-    (``digest``, the manifest's, makes the cache entry change with the dataset)."""
-    from ..formats import open_reader
-
-    datasets = _datasets()
-    reader = open_reader(root)
-    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
-    features = _features(datasets, reader, source)
-    names = list(features)
-    label = label_field(reader.schema)
-    extras = extra_fields(reader.schema)
-    json_as_text = {f.name for f in extras if f.kind == "json" and _feature_type(features[f.name]) == "Value"}
-    reader.open()
-    for i in range(len(reader)):
-        data, stored_label = reader.raw_sample(i)
-        row: dict[str, Any] = {names[0]: {"bytes": _png(data) if isinstance(data, np.ndarray) else data,
-                                          "path": None}}
-        if label is not None:
-            row[label.name] = stored_label
-        raw = reader.read_fields(i, verify=True)
-        for field in extras:
-            value = raw[field.name]
-            if field.dense:
-                row[field.name] = {"bytes": bytes(value), "path": None}
-            elif field.name in json_as_text:
-                row[field.name] = bytes(value).decode("utf-8")
-            else:
-                decoded = decode(field, value)
-                row[field.name] = decoded.tolist() if isinstance(decoded, np.ndarray) else decoded
-        yield row
-
-
-def _png(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    to_pil(array).save(out, "PNG")
-    return out.getvalue()
-
-
-def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None):
-    """The packed dataset ``dest`` as a ``datasets.Dataset`` (see the module's documentation).
-
-    Args:
-        dest: the packed dataset (any format; a URL is fetched into packer's cache first).
-        cache_dir: the Hugging Face cache folder the rows are written to (default: datasets' own).
-
-    Returns:
-        A ``datasets.Dataset``, one row per stored sample in stored order: the image (``Image()`` with the stored
-        bytes), the class (``ClassLabel``) when the dataset has one, and each field.
-
-    Raises:
-        PackerError: ``dest`` is not a packed dataset, or stores normalized arrays (not images).
-    """
-    from ..formats import open_reader
-    from ..remote import local_dataset  # a URL is resolved here, at the entry point
-
-    datasets = _datasets()
-    root = Path(local_dataset(dest)).resolve()
-    reader = open_reader(root)
-    if reader.spec.normalize:
-        raise PackerError(f"{dest}: stores normalized {reader.spec.dtype} arrays, which are not images; to_hf needs "
-                          "a dataset of pixels or encoded images")
-    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
-    features = _features(datasets, reader, source)
-    digest = hashlib.sha256(json.dumps(reader.manifest, sort_keys=True, default=str).encode()).hexdigest()
-    return datasets.Dataset.from_generator(_rows, features=features, gen_kwargs={"root": str(root), "digest": digest},
-                                           cache_dir=None if cache_dir is None else str(cache_dir),
-                                           fingerprint=hashlib.sha256(f"{root}\0{digest}".encode()).hexdigest()[:32])
