@@ -8,6 +8,7 @@ import errno
 import multiprocessing as mp
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -68,6 +69,22 @@ def process_context() -> BaseContext:
     """The start method for packer's process pools: fork where the platform has it (workers inherit what the
     parent has loaded, and start at once), else spawn."""
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+def is_regular_file(path: str | os.PathLike) -> bool:
+    """A regular file, not a link to one; False where it cannot be told (a name too long, for one)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_folder(path: str | os.PathLike) -> bool:
+    """A folder, not a link to one; False where it cannot be told."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def file_is_at(fd: int, path: str | os.PathLike) -> bool:

@@ -75,19 +75,6 @@ def sampler_labels(labels: Sequence[int] | np.ndarray, batch_size: int, shuffle:
     return np.asarray(labels)[np.fromiter((int(i) for i in sampler), np.int64)]
 
 
-def block_rows(labels: Sequence[int] | np.ndarray, blocks: np.ndarray, batch_size: int,
-               windows: Sequence[int] = (1, 4, 16), seed: int = 0) -> list[dict[str, Any]]:
-    """``{"order", "mixing"}`` rows: the stored order, ``shuffle=True``, then ``shuffle="blocks"`` at each window
-    over ``blocks`` (a dataset's ``blocks()``): what ``shuffle="blocks"`` trades for its sequential reads."""
-    rows = [{"order": "stored order (shuffle=False)", "mixing": batch_mixing(labels, batch_size)},
-            {"order": "shuffle=True",
-             "mixing": batch_mixing(sampler_labels(labels, batch_size, True, seed), batch_size)}]
-    for window in windows:
-        ordered = sampler_labels(labels, batch_size, "blocks", seed, blocks=blocks, window=window)
-        rows.append({"order": f'shuffle="blocks", block_window={window}', "mixing": batch_mixing(ordered, batch_size)})
-    return rows
-
-
 def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Sequence[int] = (100, 1000),
                     seed: int = 0) -> list[dict[str, Any]]:
     """Batch mixing of the ways packer can shuffle one WebDataset packed in class order (``--no-shuffle``).

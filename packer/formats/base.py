@@ -363,10 +363,6 @@ class Reader(ABC):
         """Whether samples are stored as raw pixel arrays (store ``raw``) rather than encoded images."""
         return self.spec.store == "raw"
 
-    def data_files(self) -> list[Path]:
-        """Every data file the manifest lists."""
-        return [self.root / entry["path"] for entry in self.manifest.get("files", [])]
-
     def check_index(self, index: int) -> int:
         """``index`` as a sample index in range: an int, numpy integer or EpochIndex, negative from the end;
         IndexError out of range (1.5 is a TypeError, not sample 1)."""

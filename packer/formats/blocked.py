@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import CorruptDataError, UsageError
 from .base import Reader, Sample
-from .layout import LAYOUT_VERSION, Layout, RangeSource, span_blocks
+from .layout import LAYOUT_VERSION, Layout, RangeSource, block_spans, span_blocks
 from .parts import dataset_layout
 
 BLOCK_CAP = 64 << 20  # the largest block: a few seconds of decoding on one core
@@ -146,9 +146,7 @@ class BlockedReader(Reader):
         self.keep = max(1, keep)
         self.budget = budget
         self.limit = limit
-        self.spans = np.zeros((0, 3), np.int64) if not len(layout) else np.stack(  # per block: file, start, end
-            [layout.file[self.starts].astype(np.int64), np.minimum.reduceat(layout.start, self.starts),
-             np.maximum.reduceat(layout.end, self.starts)], axis=1)
+        self.spans = block_spans(layout, self.starts)  # per block: file, start, end
         self._blocks: collections.OrderedDict | None = None
         self._lock: Any = None
         self._batch_blocks = 0  # the blocks of the batch map_blocks mapped last: all kept open

@@ -206,11 +206,10 @@ def span_blocks(layout: Layout, target_bytes: int) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
-def block_span(layout: Layout, starts: np.ndarray, block: int) -> tuple[int, int, int]:
-    """Block ``block``'s ``(file, first byte, one past the last byte)``: the one range that holds its samples'."""
-    a = int(starts[block])
-    b = int(starts[block + 1]) if block + 1 < len(starts) else len(layout)
-    files = layout.file[a:b]
-    if files.min() != files.max():
-        raise ValueError(f"block {block} spans several files")
-    return int(files[0]), int(layout.start[a:b].min()), int(layout.end[a:b].max())
+def block_spans(layout: Layout, starts: np.ndarray) -> np.ndarray:
+    """Each block's ``(file, first byte, one past the last byte)``: the one range that holds its samples' ranges,
+    an (n, 3) int64 array for the blocks that begin at ``starts`` (:func:`span_blocks`' blocks never span files)."""
+    if not len(layout):
+        return np.zeros((0, 3), np.int64)
+    return np.stack([layout.file[starts].astype(np.int64), np.minimum.reduceat(layout.start, starts),
+                     np.maximum.reduceat(layout.end, starts)], axis=1)

@@ -18,33 +18,18 @@ import json
 import os
 import re
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
 from ..arguments import spelled
 from ..errors import DestinationError
 from ..manifest import JOURNAL, MANIFEST, TUNED
+from ..system import is_folder, is_regular_file
 
 PART_INFO = "part.json"  # distributed.PART_INFO: a finished rank's part
 PART_DIR = re.compile(r"part-\d{5}")
 PART = "part-{:05d}"  # rank r's part folder: PART.format(r), a PART_DIR name
 SHOWN = 4  # unexpected entries named in a message before "and N more"
-
-
-def is_regular_file(path: Path) -> bool:
-    """A regular file, not a link to one; False where it cannot be told (a name too long, for one)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _packer_file(name: str, extra: tuple[str, ...] = ()) -> bool:
@@ -83,10 +68,10 @@ def _unexpected_in(folder: Path, own: tuple[str, ...], parts: bool, prefix: str 
         path = folder / entry
         if is_regular_file(path) and _packer_file(entry, own):
             continue
-        if parts and PART_DIR.fullmatch(entry) and _is_dir(path):
+        if parts and PART_DIR.fullmatch(entry) and is_folder(path):
             unexpected += _unexpected_in(path, PART_OWN, False, prefix=entry + "/")
             continue
-        unexpected.append(prefix + entry + ("/" if _is_dir(path) else ""))
+        unexpected.append(prefix + entry + ("/" if is_folder(path) else ""))
     return unexpected
 
 
@@ -122,13 +107,13 @@ def export_problems(out: Path, images: Callable[[str], bool], files: tuple[str, 
     for entry in sorted(os.listdir(out)):
         if entry in files and is_regular_file(out / entry):
             continue
-        if not _is_dir(out / entry):
+        if not is_folder(out / entry):
             unexpected.append(entry)
             continue
         for dirpath, dirnames, filenames in os.walk(out / entry):
             rel = Path(dirpath).relative_to(out).as_posix()
             for name in sorted(dirnames):
-                if not _is_dir(Path(dirpath) / name):  # a link to a folder: not something export writes
+                if not is_folder(Path(dirpath) / name):  # a link to a folder: not something export writes
                     unexpected.append(f"{rel}/{name}")
             unexpected += [f"{rel}/{n}" for n in sorted(filenames)
                            if not (images(n) and is_regular_file(Path(dirpath) / n))]
@@ -199,7 +184,7 @@ def empty_folder(path: Path) -> None:
     permissions, or a mount point."""
     for entry in os.listdir(path):
         child = path / entry
-        if _is_dir(child):
+        if is_folder(child):
             shutil.rmtree(child)
         else:
             child.unlink()

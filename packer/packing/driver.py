@@ -20,9 +20,9 @@ from typing import Any
 from ..arguments import shown, spelled
 from ..errors import DestinationError, NothingPackedError
 from ..manifest import MANIFEST, read_local_manifest
+from ..system import is_regular_file
 from .convert import Converted, convert_samples
 from .coordinator import Coordinator, detect, early_rank
-from .dest import is_regular_file
 from .journal import differences, discard, finish
 from .lock import OutputLock, check_free
 from .options import PackOptions

@@ -16,7 +16,8 @@ from typing import Any
 
 from ..errors import DestinationError, PackerError
 from ..manifest import JOURNAL, write_json_atomic
-from .dest import empty_folder, is_regular_file
+from ..system import is_regular_file
+from .dest import empty_folder
 
 __all__ = ["JOURNAL", "differences", "discard", "finish", "read_journal", "resumable", "save", "start",
            "write_failed"]

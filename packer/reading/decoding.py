@@ -81,6 +81,17 @@ def decode_scratch(nbytes: int) -> np.ndarray:
     return buffer[:nbytes]
 
 
+def write_into(out: np.ndarray | None, arr: np.ndarray, mismatch: Callable[[tuple, tuple], str]) -> np.ndarray:
+    """``arr`` written into ``out`` (a batch slot) and ``out`` returned, or ``arr`` as a contiguous array where
+    there is no slot; a :class:`CorruptDataError` with ``mismatch(arr's shape, out's shape)`` where they differ."""
+    if out is None:
+        return np.ascontiguousarray(arr)
+    if arr.shape != out.shape:
+        raise CorruptDataError(mismatch(arr.shape, out.shape))
+    out[...] = arr
+    return out
+
+
 class Decoding:
     """How samples of ``reader`` are decoded: the read-time geometry and augmentation (see
     :class:`packer.reading.dataset.PackedDataset` for the arguments).
@@ -296,13 +307,8 @@ class Decoding:
                 arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         else:
             return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
-        if out is not None:
-            if arr.shape != out.shape:
-                raise CorruptDataError(f"{name}: image is {arr.shape}, the dataset says {out.shape}; re-pack "
-                                       "or pass resize/center_crop")
-            out[...] = arr
-            return out
-        return np.ascontiguousarray(arr)
+        return write_into(out, arr, lambda got, want: f"{name}: image is {got}, the dataset says {want}; re-pack "
+                                                      "or pass resize/center_crop")
 
 
 class RowDecoder:

@@ -24,7 +24,7 @@ from ..images.masks import decode_mask
 from ..images.transforms import apply_geometry, as_hwc, center_box, to_pil
 from ..images.transforms import decode as decode_image
 from .augment import Window, nearest_box, pil_window, write_image
-from .decoding import Decoding
+from .decoding import Decoding, write_into
 
 DENSE = ("image", "mask")  # field kinds decoded into a batch array of the image's height and width
 
@@ -173,13 +173,8 @@ class FieldDecoder:
                 result = nearest_box(mask, (left * sx, top * sy, right * sx, bottom * sy), size, flipped)
         else:
             result = mask[:, ::-1] if flipped else mask
-        if out is not None:
-            if out.shape != result.shape:
-                raise CorruptDataError(f"{name}: the mask comes out {result.shape}, its image {out.shape}; "
-                                       "re-pack with the mask at its image's size")
-            out[...] = result
-            return out
-        return np.ascontiguousarray(result)
+        return write_into(out, result, lambda got, want: f"{name}: the mask comes out {got}, its image {want}; "
+                                                         "re-pack with the mask at its image's size")
 
     def second_image(self, d: Decoding, index: int, field: Field, data: bytes | memoryview, geometry: Geometry,
                      out: np.ndarray | None = None) -> np.ndarray:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..arguments import parse_bytes
 from ..errors import RemoteError, UsageError
-from ..system import default_cache_dir, file_is_at, lock_file, unlock_file
+from ..system import default_cache_dir, file_is_at, is_folder, is_regular_file, lock_file, unlock_file
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 
@@ -132,21 +132,6 @@ class Pin:
             if self._inherited or self._pid == os.getpid():  # else a forked child's copy, closed as it started
                 _close(self._fd)
             self._fd = None
-
-
-def _is_regular(path: str | Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _is_folder(path: str) -> bool:
-    """A folder, not a link to one."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 class Cache:
@@ -322,9 +307,10 @@ class Cache:
     def _evict(self, path: str) -> bool:
         """Delete one object (or abandoned download) that no process holds; False when one does."""
         parent = os.path.dirname(path)
-        in_prefix = os.path.dirname(parent) == self._objects and _is_folder(parent)  # not a link to elsewhere
+        in_prefix = os.path.dirname(parent) == self._objects and is_folder(parent)  # not a link to elsewhere
         in_objects = parent == self._objects or in_prefix
-        if not (_is_regular(path) and (parent == self._tmp or (in_objects and _SHA.fullmatch(os.path.basename(path))))):
+        ours = parent == self._tmp or (in_objects and _SHA.fullmatch(os.path.basename(path)))
+        if not (is_regular_file(path) and ours):
             return False  # only objects (in objects/, or an older layout's objects/ab/) and downloads in tmp/
         try:
             fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW)

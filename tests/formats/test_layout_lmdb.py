@@ -25,7 +25,7 @@ from support.fields import SCHEMA, write_dataset
 import packer
 from packer.errors import CorruptDataError, UsageError
 from packer.fields import extra_fields
-from packer.formats.layout import Layout, LocalSource, block_span, span_blocks
+from packer.formats.layout import Layout, LocalSource, block_spans, span_blocks
 from packer.formats.lmdb import LmdbReader
 from packer.formats.lmdb.records import HEADER, key
 
@@ -172,9 +172,9 @@ def test_blocks_span_at_most_their_target(datasets):
     layout = layout_of(datasets["raw_tiny"])
     for target in (1000, 4096, 20000):
         starts = span_blocks(layout, target)
-        spans = [block_span(layout, starts, b) for b in range(len(starts))]
+        spans = block_spans(layout, starts)
         bounds = np.append(starts, len(layout))
-        for b, (_, low, high) in enumerate(spans):
+        for b, (_, low, high) in enumerate(spans.tolist()):
             a, z = bounds[b], bounds[b + 1]
             assert high - low <= target or z - a == 1
             assert low <= layout.start[a:z].min() and layout.end[a:z].max() <= high

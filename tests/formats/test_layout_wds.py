@@ -21,7 +21,7 @@ from support.fields import SCHEMA, write_dataset
 from packer.errors import CorruptDataError, UsageError
 from packer.fields import decode
 from packer.formats import get_format
-from packer.formats.layout import Layout, LocalSource, block_span, span_blocks
+from packer.formats.layout import Layout, LocalSource, block_spans, span_blocks
 from packer.manifest import read_local_manifest
 
 WdsReader = get_format("wds")[1]
@@ -110,10 +110,11 @@ def test_blocks_never_span_shards(pack_once, sample_data):
     assert shards > 1
     for target in (1, 20_000, 1 << 40):
         starts = span_blocks(layout, target)
+        spans = block_spans(layout, starts)
         for b in range(len(starts)):
             samples = range(int(starts[b]), int(starts[b + 1]) if b + 1 < len(starts) else len(layout))
-            assert len({int(layout.file[i]) for i in samples}) == 1
-            f, first, last = block_span(layout, starts, b)
+            assert {int(layout.file[i]) for i in samples} == {int(spans[b, 0])}
+            _, first, last = spans[b]
             assert all(first <= layout.start[i] and layout.end[i] <= last for i in samples)
     assert len(span_blocks(layout, 1 << 40)) == shards  # a whole shard at most: one block each
 

@@ -83,14 +83,21 @@ class WdsReader(Reader):
         if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
             return
         path = self.root / INDEX
+        self.check_rows(self._map_index(), path, self.root / "manifest.json")
+
+    def _map_index(self) -> np.ndarray:
+        """The shard index, mapped (not read), and checked to be the file the manifest was read beside: a file
+        replaced since is refused, as a data file is."""
+        path = self.root / INDEX
         try:
             index = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
         recorded, now = self._file_ids.get(path), file_id(path)
-        if now is None or (recorded is not None and now != recorded):  # replaced since the manifest was read
+        if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
             raise changed_error(path)
-        self.check_rows(index, path, self.root / "manifest.json")
+        self._file_ids[path] = now
+        return index
 
     def check_rows(self, index: np.ndarray, path: object, manifest_path: object) -> None:
         """The checks of the shard index (``path`` and ``manifest_path`` name the files in messages) against the
@@ -239,15 +246,7 @@ class WdsReader(Reader):
             self.index = self.foreign.index
             return
         path = self.root / INDEX
-        try:
-            index = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
-        recorded = self._file_ids.get(path)
-        now = file_id(path)
-        if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
-            raise changed_error(path)
-        self._file_ids[path] = now
+        index = self._map_index()
         if index.dtype != INDEX_DTYPE:
             raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
         if len(index) != self._count:
