@@ -353,3 +353,31 @@ def test_one_resume_implementation():
                 assert calls & {"check_state", "load_state_dict"}, f"{path}: load_state_dict checks states itself"
                 loaders.append(path.name)
     assert {"sampler.py", "stream.py", "loader.py"} <= set(loaders)
+
+
+# A measured figure in a comment or docstring goes stale silently: figures live in docs/measurements.md and the
+# benchmarks, with their machine and command; the code says why in words and points there.
+FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:ms|us|µs|img/s|MB/s|GB/s)\b|\b\d+(?:\.\d+)?x (?:faster|slower|the|auto)\b")
+
+
+def comments_and_docstrings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a module."""
+    import io
+    import tokenize
+
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                found.append((node.body[0].lineno, doc))
+    return found
+
+
+def test_no_measured_figure_in_code_comments_or_docstrings():
+    assert FIGURE.search("about 9 ms a batch") and FIGURE.search("1.8x auto's speed") and not FIGURE.search("8 ranks")
+    found = [f"{path.relative_to(REPO)}:{line}: {FIGURE.search(text).group(0)}"
+             for path in sorted((REPO / "packer").rglob("*.py"))
+             for line, text in comments_and_docstrings(path.read_text(encoding="utf-8")) if FIGURE.search(text)]
+    assert found == [], "move the figure to docs/measurements.md (with its command) and say why in words"

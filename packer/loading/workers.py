@@ -1,13 +1,12 @@
 """Worker processes that decode whole batches into shared memory: ``make_loader(ds, num_workers=N)`` over
 packer's datasets.
 
-torch's DataLoader workers allocate every batch afresh in shared memory and send it through a queue. Measured on
-this project's 2-core machine, that hand-off costs about 9 ms a 64x224x224x3 batch and held two workers to half
-of the decode ceiling on jpeg 224. Here the main process owns the batch memory: slots in shared memory, each sent
-to a worker once. A worker decodes a batch into the slot it is given and answers with the labels, and the loader
-hands out a view of the slot. A slot is written again only once no tensor in the main process refers to it (the
-rule of :class:`~packer.reading.buffers.BatchPool`), so batches a training loop keeps stay intact; with pinned memory
-each batch is copied into a pinned batch instead and its slot is free at once.
+torch's DataLoader workers allocate every batch afresh in shared memory and send it through a queue, a hand-off that
+held two workers far below the decode ceiling (docs/measurements.md, "Loader"). Here the main process owns the batch
+memory: slots in shared memory, each sent to a worker once. A worker decodes a batch into the slot it is given and
+answers with the labels, and the loader hands out a view of the slot. A slot is written again only once no tensor in
+the main process refers to it (the rule of :class:`~packer.reading.buffers.BatchPool`), so batches a training loop
+keeps stay intact; with pinned memory each batch is copied into a pinned batch instead and its slot is free at once.
 
 Messages, over one duplex pipe per worker:
 

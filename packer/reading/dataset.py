@@ -69,7 +69,8 @@ class PackedDataset(Dataset):
             the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale and resamples with
             OpenCV, within 30 dB of Pillow), ``"fast"`` (as auto, and the read-time resize and crop also
             resample with OpenCV, from a JPEG decoded at a reduced DCT scale where it is over twice the resized
-            size: about 1.8x auto's validation speed from ``original`` stores, within 30 dB of its pixels) or
+            size: faster than auto's validation reads from ``original`` stores, within 30 dB of its pixels;
+            docs/measurements.md has the figures) or
             ``"pil"`` (Pillow for everything, resize then crop: torchvision's pipeline, exactly).
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
             decoding, with ``scale`` and ``ratio`` as there. The window depends only on ``(seed, epoch, index)``
