@@ -105,10 +105,11 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
     """Sweep the loader's settings (workers, decode threads, prefetch factor and, with CUDA, pinning; never the
     batch size, a training hyperparameter: every config reads batches of ``batch_size``) on the packed dataset
     ``dest`` opened as ``pipeline`` reads it (warm cache), and write the fastest to ``dest/loader.json`` with
-    the read-time view it was measured on (:func:`packer.loading.plan.read_view`; make_loader applies it to that
+    the read-time view it was measured on (:func:`packer.loading.tuned.read_view`; make_loader applies it to that
     view only). Warns when the figures are noise (:func:`noise_warning`). Returns what was written."""
     from ..errors import warn
-    from ..loading.plan import plan_loader, read_view
+    from ..loading.plan import plan_loader
+    from ..loading.tuned import read_view
     from ..manifest import TUNED, write_json_atomic
 
     dest = Path(dest)

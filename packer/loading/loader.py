@@ -56,8 +56,9 @@ from ..reading.dataset import PackedBatch, PackedDataset
 from ..state import CountingIterator, Progress
 from ..system import die_with_parent
 from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
-from .plan import LoaderPlan, plan_loader, tuned_settings
+from .plan import LoaderPlan, plan_loader
 from .sampler import BLOCKS, ResumableSampler
+from .tuned import tuned_settings
 from .workers import WorkerPool
 
 BLOCK_BYTES = 64 << 20  # shuffle="blocks": an LMDB or HDF5 block

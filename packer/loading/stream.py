@@ -13,11 +13,13 @@ taken by every rank so far, the same at any world size and number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -30,9 +32,31 @@ from ..manifest import read_local_manifest
 from ..state import CountingIterator, Progress, StateSchema, check_state
 from ..system import die_with_parent, usable_cores
 from .block_order import block_order, deal_steps, layout
-from .fetchable import Fetchable, fetched
 from .sampler import EpochPass, distributed_rank_world
 from .stream_decode import StreamDecoder
+
+
+# URLs are resolved at the entry point (one Fetchable per remote shard: packer.remote.resolve.RemoteFile); below it,
+# a shard is read sequentially from the local path `fetched` gives, wherever its bytes came from.
+@runtime_checkable
+class Fetchable(Protocol):
+    """A file whose local copy exists only while :meth:`local` is entered; ``str()`` is what messages name (a
+    remote file's URL). It must be picklable: DataLoader workers fetch with their own."""
+
+    def local(self) -> AbstractContextManager[Path]:
+        """A context whose value is the local copy's path, held until the context is left."""
+        ...
+
+
+@contextlib.contextmanager
+def fetched(file: Path | Fetchable) -> Iterator[Path]:
+    """A local path for ``file``: itself, or a :class:`Fetchable`'s local copy, held while inside."""
+    if isinstance(file, Fetchable):
+        with file.local() as path:
+            yield path
+    else:
+        yield file
+
 
 # a stream state counts the samples of one global order; version 1 counted batches per rank and worker
 STREAM_STATE_VERSION = 2

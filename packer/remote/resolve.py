@@ -155,7 +155,7 @@ def release(view: Path) -> None:
 
 
 class RemoteFile:
-    """One data file of a remote dataset (a :class:`packer.loading.fetchable.Fetchable`), fetched into the cache when
+    """One data file of a remote dataset (a :class:`packer.loading.stream.Fetchable`), fetched into the cache when
     :meth:`local` is entered and released (evictable) when it is left, or with ``cached=False`` into a temporary
     file deleted when it is left; picklable, so a DataLoader worker fetches with its own filesystem."""
 

@@ -188,7 +188,7 @@ def tuned_dest(tiny_folder, tmp_path) -> Path:
 
 
 def test_explicit_arguments_win_silently_and_the_line_names_only_what_applies(tuned_dest, capsys):
-    from packer.loading.plan import read_view
+    from packer.loading.tuned import read_view
 
     _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, threads=1, prefetch_factor=3,
            batch_size=5)
@@ -208,7 +208,7 @@ def test_explicit_arguments_win_silently_and_the_line_names_only_what_applies(tu
 
 
 def test_settings_tuned_for_another_view_are_not_applied(tuned_dest, capsys):
-    from packer.loading.plan import read_view
+    from packer.loading.tuned import read_view
 
     _tuned(tuned_dest, read_view(packer.open_dataset(tuned_dest)), num_workers=0, prefetch_factor=3)
     cropped = packer.open_dataset(tuned_dest, random_resized_crop=16, flip=True)
