@@ -27,7 +27,7 @@ _EXPORTS = {
     "export": "packer.exports.folder",
     "to_hf": "packer.exports.hf",
     "open_dataset": "packer.reading.dataset",
-    "read_manifest": "packer.remote",
+    "read_manifest": "packer.remote.entry",
     "LmdbDataset": "packer.reading.dataset",
     "Hdf5Dataset": "packer.reading.dataset",
     "WdsDataset": "packer.reading.dataset",

@@ -130,7 +130,7 @@ def summary_line(dest: str, manifest: dict) -> str:
 def info(dest, as_json) -> None:
     """Summarise the packed dataset DEST."""
     from . import formats  # noqa: F401 - registers each format's check of its own manifest keys
-    from .remote import read_manifest
+    from .remote.entry import read_manifest
 
     manifest = read_manifest(dest)
     if as_json:

@@ -199,7 +199,7 @@ def _not_a_dataset(dest: Path) -> IncompleteDatasetError:
 
 def read_local_manifest(dest: str | os.PathLike) -> dict:
     """Read ``DEST/manifest.json`` of a local folder; a folder without one is a conversion that did not finish.
-    For a folder or a URL, :func:`packer.read_manifest` (:func:`packer.remote.read_manifest`)."""
+    For a folder or a URL, :func:`packer.read_manifest` (:func:`packer.remote.entry.read_manifest`)."""
     dest = Path(dest)
     path = dest / MANIFEST
     if not dest.is_dir():

@@ -207,6 +207,32 @@ def test_no_module_over_600_lines():
     assert long == {}
 
 
+# The package layers ARCHITECTURE.md draws, lowest first: a package (a subpackage, or a top-level module) imports
+# only packages on lower layers, deferred imports included. The two paths are folders: packing/ (with sources/
+# below it) and reading/ -> loading/, both over formats/ and the shared vocabulary.
+PACKAGE_LAYERS = [
+    ("errors", "system", "state", "install_hints"),  # what every part says and relies on
+    ("arguments", "fields", "images"),  # public-argument checks, the sample schema, pixels and image bytes
+    ("manifest",),  # the one file both paths share
+    ("formats", "remote"),  # the formats' writers and readers; moving bytes to and from URLs
+    ("sources",),  # what pack reads (a packed dataset and foreign shards through the formats)
+    ("packing", "reading"),  # the pack path; the read path's datasets
+    ("exports", "loading", "verify"),  # datasets written back out; the loader and stream; verify
+    ("bench", "lightning"),  # measuring; Lightning's DataModule
+    ("cli",),
+    ("__main__",),
+]
+
+
+def test_packages_import_only_the_layers_below_them():
+    layer = {f"packer.{name}": level for level, names in enumerate(PACKAGE_LAYERS) for name in names}
+    graph = _count_climbs().package_graph(_count_climbs().imports(REPO))
+    assert sorted(set(graph) - {"packer"}) == sorted(layer), "put each package of packer/ on one layer"
+    upward = sorted(f"{a} imports {b}" for a, found in graph.items() if a != "packer" for b in found
+                    if layer[b] >= layer[a])
+    assert upward == []
+
+
 # Modules outside packer/remote/ that may import it: the public entry points, which resolve a URL into local files
 # (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
 REMOTE_IMPORTERS = {

@@ -108,7 +108,7 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     """Write the packed dataset ``dest`` (any format) to the image folder ``out``; see the module docstring.
     ``out`` must be new or empty, or an image folder (a previous export) with ``overwrite=True``. Returns
     ``{"out", "count", "classes", "renamed"}`` (renamed: samples whose extension changed)."""
-    from ..remote import local_dataset  # a URL is resolved here, at the entry point
+    from ..remote.entry import local_dataset  # a URL is resolved here, at the entry point
 
     dest, out = Path(local_dataset(dest)), Path(out)
     reader = open_reader(dest)

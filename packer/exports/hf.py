@@ -99,7 +99,7 @@ def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
     Raises:
         PackerError: ``dest`` is not a packed dataset, or stores normalized arrays (not images).
     """
-    from ..remote import local_dataset  # a URL is resolved here, at the entry point
+    from ..remote.entry import local_dataset  # a URL is resolved here, at the entry point
 
     datasets = import_datasets()
     root = Path(local_dataset(dest)).resolve()

@@ -35,7 +35,7 @@ def open_reader(root: str | os.PathLike, **options) -> Reader:
 
     Args:
         root: the dataset folder (a local one: the public entry points resolve a URL into the cache first,
-            see :func:`packer.remote.local_dataset`).
+            see :func:`packer.remote.entry.local_dataset`).
         **options: the format reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
 
     Returns:

@@ -77,7 +77,7 @@ pack.__signature__ = inspect.signature(pack).replace(parameters=[
 def _local_source(src: str | os.PathLike | Any) -> str | os.PathLike | Any:
     """``src``, or for a packed dataset's URL the local folder it is fetched into: below ``pack`` every source is
     local (a Hugging Face name, ``hf:...``, is not a URL: :mod:`packer.sources.hf` reads it)."""
-    from ..remote import local_dataset
+    from ..remote.entry import local_dataset
     from ..sources.hf import is_hf
 
     return src if is_hf(src) else local_dataset(src)

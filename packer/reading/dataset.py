@@ -580,7 +580,9 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     arguments.int_at_least("threads", threads, 1)
     options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
                if value is not None}
-    from ..remote import open_remote  # a URL is resolved here into a local folder, or blocks when over cache_limit
+    from ..remote.entry import (
+        open_remote,  # a URL is resolved here into a local folder, or blocks when over cache_limit
+    )
 
     found = (open_remote(root, storage_options, cache_dir, cache_limit) if page_budget is None
              else open_paged(root, page_budget, cache_dir))

@@ -184,7 +184,7 @@ class RemoteBlocks:
 
 
 class BlockedRemote(NamedTuple):
-    """A dataset URL read a block at a time: what :func:`packer.remote.open_remote` hands the entry point."""
+    """A dataset URL read a block at a time: what :func:`packer.remote.entry.open_remote` hands the entry point."""
 
     url: str
     manifest: dict

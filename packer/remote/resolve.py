@@ -1,4 +1,4 @@
-"""The one resolve step the public entry points take for a URL (through :func:`packer.remote.local_dataset`): a
+"""The one resolve step the public entry points take for a URL (through :func:`packer.remote.entry.local_dataset`): a
 dataset URL becomes a local folder of checked files, handed down to readers that never see the URL.
 
 The manifest is fetched, then every data file its ``files`` list names (whatever the format: LMDB, HDF5,

@@ -54,13 +54,12 @@ def test_pack_folder_is_what_pack_runs(tmp_path):
 
 
 def test_the_pack_path_calls_down_the_layers_only(tmp_path):
-    """Every call from one packer module into another while pack() runs goes to a lower layer: no module calls
-    back up into one that called it (the driver calls engine, journal, lock, coordinator and manifest; they
-    call nothing back)."""
+    """Every call from one packer module into another while pack() runs goes down the package layers: no package
+    calls back up into one that called it (the driver calls the plan, DEST's preparation, the conversion, the
+    journal, the lock and the coordinator; they call nothing back)."""
     script = count_climbs()
-    layer = script.layers(script.imports(REPO))
+    package_layer = script.layers(script.package_graph(script.imports(REPO)))
     calls = script.trace_pack(REPO, str(small_folder(tmp_path / "src")))
     assert ("packer.packing.pack", "packer.packing.driver") in calls
     assert ("packer.packing.driver", "packer.packing.convert") in calls
-    up = [(a, b) for a, b in calls if layer.get(b, -1) > layer.get(a, -1)]
-    assert up == []
+    assert script.calls_up(calls, package_layer) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -535,3 +536,27 @@ def test_close_all_closes_shared_handles_and_datasets_reopen(pack):
     assert not lmdb_format._ENVS
     again, again_label = ds[3]
     assert torch.equal(again, image) and again_label == label
+
+
+def test_a_samples_fields_go_down_the_package_layers_from_table_to_batch():
+    """scripts/count_climbs.py --trace-read: the annotation table packed in each format, then read with a training
+    view through ds[i] and make_loader; no package calls back up into one that uses it, but for the one
+    registry: the manifest runs the checks of the keys each format owns (Reader.check_manifest, added by
+    packer.formats), so that a manifest read anywhere, by a URL's resolve too, is checked whole."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("count_climbs", repo / "scripts" / "count_climbs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    package_layer = script.layers(script.package_graph(script.imports(repo)))
+    old = os.getcwd()
+    os.chdir(repo)  # the table's paths are relative to the checkout
+    try:
+        calls = script.trace_read(repo, "sample_data/annotations.csv", ".")
+    finally:
+        os.chdir(old)
+    assert ("packer.reading.dataset", "packer.reading.decoding") in calls
+    up = script.calls_up(calls, package_layer)
+    assert {a for a, _ in up} <= {"packer.manifest"} and {b.rsplit(".", 1)[0] for _, b in up} <= {
+        "packer.formats", "packer.formats.wds"}, up
