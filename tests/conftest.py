@@ -139,17 +139,39 @@ def run_packer():
 # Markers for a quick local run (`pytest -m "not slow and not distributed and not remote"`); CI runs everything.
 # Given by module here, so that a new test in one of these files is marked without anyone remembering to.
 _MARKS_BY_MODULE = {
-    "test_distributed": "distributed", "test_distributed_pack": "distributed",
-    "test_remote": "remote", "test_blocked_remote": "remote",
-    "test_bench": "slow", "test_resume_loader": "slow", "test_orphans": "slow", "test_untrusted": "slow",
+    "test_distributed": ("distributed",), "test_distributed_pack": ("distributed",),
+    "test_parts_blocks": ("distributed", "remote"),  # packs by torchrun, then reads from a server
+    "test_remote": ("remote",), "test_blocked_remote": ("remote",), "test_presigned": ("remote",),
+    "test_bench": ("slow",), "test_orphans": ("slow",), "test_untrusted": ("slow",),
+    "test_resume_loader": ("slow", "distributed"),
 }
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        mark = _MARKS_BY_MODULE.get(item.module.__name__.rpartition(".")[2]) if item.module else None
-        if mark:
+        for mark in _MARKS_BY_MODULE.get(item.module.__name__.rpartition(".")[2], ()) if item.module else ():
             item.add_marker(mark)
+
+
+# The quick run must start no torchrun and no server: a test (or the fixtures it asks for) that starts one without
+# its marker fails, here and in tests/support/remote.py, instead of slowing the quick run down unseen.
+RUNNING_MARKS: set[str] = set()
+_popen_init = subprocess.Popen.__init__
+
+
+def _checked_popen(self, args, *rest, **kwargs):
+    shown = args if isinstance(args, str) else " ".join(map(str, args))
+    if ("torch.distributed.run" in shown or "torchrun" in shown) and "distributed" not in RUNNING_MARKS:
+        raise AssertionError(f"this test starts torchrun: mark it distributed ({shown[:120]})")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _checked_popen  # type: ignore[method-assign]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    RUNNING_MARKS.clear()
+    RUNNING_MARKS.update(mark.name for mark in item.iter_markers())
 
 
 @pytest.fixture(scope="module")

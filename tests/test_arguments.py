@@ -250,6 +250,7 @@ def test_an_error_in_a_torch_worker_of_make_loader_reaches_the_caller_as_itself(
     assert "\n" not in message and "DataLoader worker" not in message, message
 
 
+@pytest.mark.remote
 def test_stream_cache_limit_below_one_shard_per_worker_says_what_to_pass(packs, tmp_path):
     from support.remote import serve_files
 

@@ -73,6 +73,7 @@ def test_packer_rows_read_the_url_through_the_server_and_report_shuffle_quality(
     assert results["publishable"] in (True, False) and results["machine"]["cores"] >= 1
 
 
+@pytest.mark.remote
 def test_s3_lite_answers_the_calls_boto3_and_s3fs_make(tmp_path, monkeypatch):
     """GetObject whole and ranged (the last bytes too), HeadObject, ListObjectsV2 folded at a delimiter and paged,
     NoSuchKey and an unsatisfiable range as S3 answers them; every GET counted."""

@@ -213,6 +213,7 @@ def test_a_state_resumes_exactly_at_any_world_size(first_world, then_world):
 
 # -- resume in new processes, and under torchrun ----------------------------------------------------------------------
 
+@pytest.mark.distributed
 def test_resume_in_new_processes_at_the_same_and_other_world_sizes(packs, tmp_path):
     loader = {"batch_size": BATCH, "shuffle": "blocks", "seed": SEED, "block_window": WINDOW,
               "block_bytes": BLOCK_BYTES, "num_workers": 0}

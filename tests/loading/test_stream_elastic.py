@@ -169,6 +169,7 @@ def test_a_state_of_an_older_stream_or_other_window_is_one_line(dataset):
     one_line_value_error(lambda: loader.load_state_dict(state), "window=")
 
 
+@pytest.mark.distributed
 def test_torchrun_two_ranks_then_one_process(dataset, tmp_path):
     """A real 2-rank torchrun launch (2 workers each) stops after 3 batches; one plain process resumes from its
     state: together they take every sample of the epoch exactly once."""

@@ -182,6 +182,7 @@ def test_the_lock_follows_symlinked_parents_and_dotdot_physically(tmp_path):
         os.chdir(here)
 
 
+@pytest.mark.remote
 def test_a_second_upload_to_the_same_url_is_refused_while_the_first_runs(noisy_src, tmp_path):
     from support.remote import S3Server
 

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,11 +34,20 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
 
+def check_marked_remote() -> None:
+    """Under pytest, a test that starts a server is marked ``remote`` (conftest records the running test's marks);
+    the benchmarks that start these servers are not tests."""
+    conftest = sys.modules.get("conftest")
+    if conftest is not None and "remote" not in conftest.RUNNING_MARKS:
+        raise AssertionError("this test starts a server: mark it remote")
+
+
 class Served:
     """A server running on a thread; ``url``; ``requests`` counts ``(method, path)``, ``sent`` the body bytes
     sent (a file server's); ``stop()``."""
 
     def __init__(self, handler: type, **attrs):
+        check_marked_remote()
         self.requests: collections.Counter = collections.Counter()
         self.sent = 0
         self.lock = threading.Lock()
@@ -224,6 +234,7 @@ class S3Server:
     def __init__(self, buckets: tuple[str, ...] = ("bucket",)):
         from moto.server import ThreadedMotoServer
 
+        check_marked_remote()
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self.port = free_port()
         self.server = ThreadedMotoServer(ip_address=HOST, port=self.port, verbose=False)
