@@ -267,6 +267,7 @@ def test_stream_cache_limit_below_one_shard_per_worker_says_what_to_pass(packs, 
 
 # -- messages in the words of the interface used ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_pack_into_an_existing_dest_names_the_argument_from_python_and_the_flag_from_the_cli(packs, tmp_path):
     dest = tmp_path / "d"
     dest.mkdir()

@@ -366,6 +366,7 @@ def inspect_isolated(dest: Path, index: int) -> dict:
     return json.loads(line[len("RESULT"):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_corruption(case: Case, packed, tmp_path):
     ref = stored(packed(case.fmt))

@@ -288,6 +288,7 @@ def _tiny_tree(root: Path, count: int, originals: list[Path]) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_conversion_memory_does_not_grow_with_the_dataset(fmt, tmp_path):
     """Peak RSS of a pack 4x larger stays near the smaller one's: only a per-image index grows (tens of bytes)."""

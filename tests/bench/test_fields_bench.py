@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = 6
 SEG_ROWS = ["Pillow + DataLoader, original files (baseline)", "Pillow + DataLoader, files at long side <= 256",
@@ -15,6 +17,7 @@ SEG_ROWS = ["Pillow + DataLoader, original files (baseline)", "Pillow + DataLoad
 CAPTION_ROWS = ["webdataset + WebLoader, the same shards (baseline)", "packer wds"]
 
 
+@pytest.mark.slow
 def test_quick_run_reports_every_row_with_the_promised_batches(tmp_path):
     out = tmp_path / "fields"
     cmd = [sys.executable, str(REPO / "benchmarks" / "fields_pipeline.py"), "--quick", "--images", str(IMAGES),

@@ -113,9 +113,11 @@ def worker_cases():
                                              f"{'used' if used_first else 'fresh'}"))
         # spawn and forkserver workers import torch afresh (seconds each): the dataset always used first,
         # persistent workers under spawn, workers started anew each epoch under forkserver
-        cases.append(pytest.param(fmt, "spawn", True, True, id=f"{fmt}-spawn-persistent-used"))
+        cases.append(pytest.param(fmt, "spawn", True, True, id=f"{fmt}-spawn-persistent-used",
+                                  marks=pytest.mark.slow))
         if fmt != "folder":
-            cases.append(pytest.param(fmt, "forkserver", False, True, id=f"{fmt}-forkserver-transient-used"))
+            cases.append(pytest.param(fmt, "forkserver", False, True, id=f"{fmt}-forkserver-transient-used",
+                                      marks=pytest.mark.slow))
     return cases
 
 
@@ -225,6 +227,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_fork_while_the_threaded_loader_prefetches(pack):
     """Forking (worker processes, pools) while make_loader's threads read a dataset must not crash the parent
     or the child. In a subprocess: a crash there is a failed test, not a dead test session."""
@@ -480,6 +483,7 @@ for n, _ in enumerate(loader):
 """
 
 
+@pytest.mark.slow
 def test_breaking_out_of_an_epoch_then_exiting_does_not_abort(pack):
     """A loop that breaks out mid-epoch and then ends the program: the prefetch thread was still decoding inside
     torch while the interpreter finalized, and about 1 run in 10 died with SIGABRT ("terminate called without an

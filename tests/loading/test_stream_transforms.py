@@ -41,6 +41,7 @@ def streamed(loader, epoch: int | None = None) -> tuple[torch.Tensor, list[int]]
     return torch.cat(images), torch.cat(labels).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["original", "raw", "jpeg_fixed"])
 @pytest.mark.parametrize("decoder", ["auto", "pil", "fast"])
 def test_resize_and_crop_give_open_datasets_pixels(quick_start, pack_once, sample_data, store, decoder):

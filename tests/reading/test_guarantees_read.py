@@ -486,6 +486,7 @@ READER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["h5py", "exclusive"])
 def test_hdf5_reads_while_another_process_holds_the_file(src_a, tmp_path, how):
     """A reader, verify and a repack in a second process, with HDF5_USE_FILE_LOCKING unset, while a third

@@ -138,6 +138,7 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_mistakes_are_one_line(tmp_path):
     folder = tmp_path / "saved"
     datasets.DatasetDict({"train": make_dataset(2), "test": make_dataset(2)}).save_to_disk(str(folder))
