@@ -1,7 +1,8 @@
-"""The format registry: one module per format, each with its writer and reader side by side.
+"""The formats: one folder each (``lmdb/``, ``hdf5/``, ``wds/``) with its writer and reader side by side behind the
+interface of :mod:`.base`, this registry, and reading any of them a block at a time (:mod:`.blocked`).
 
-Importing this package imports every format module, which registers itself (:func:`register`); the order here
-is the order of :func:`format_names`. Nothing here imports torch: the torch Datasets over these readers are in
+Importing this package imports every format, which registers itself (:func:`register`); the order here is the
+order of :func:`format_names`. Nothing here imports torch: the torch Datasets over these readers are in
 :mod:`packer.reading.dataset`.
 """
 
