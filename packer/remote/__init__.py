@@ -1,8 +1,9 @@
 """Packed datasets on object storage and HTTP: moving bytes only (URLs, fsspec filesystems, a bounded shared
 cache, retries).
 
-Nothing here runs a conversion, a check or a benchmark, and nothing imports a format: the public entry points (``pack``, ``open_dataset``, ``export``, ``to_hf``, ``verify``, ``stream``, the CLI) resolve a URL
-through this package and hand local folders (or :class:`packer.loading.stream.Fetchable` files) down.
+Nothing here runs a conversion, a check or a benchmark, and nothing imports a format: the public entry points
+(``pack``, ``open_dataset``, ``export``, ``to_hf``, ``verify``, ``stream``, the CLI) resolve a URL through this
+package and hand local folders (or :class:`packer.loading.stream.Fetchable` files) down.
 
 - :mod:`.url` tells URLs from local paths (and refuses mangled ones);
 - :mod:`.fs` makes fsspec filesystems per process and turns storage errors into one line;
