@@ -37,7 +37,7 @@ class Writer(ABC):
     # read in its stored order (streamed), so that order should be a shuffle: packing shuffles by default
     READ_IN_ORDER: ClassVar[bool] = False
 
-    def __init__(self, dest: Path, spec: TransformSpec, options: dict[str, Any] | None = None):
+    def __init__(self, dest: Path, spec: TransformSpec, expected_count: int, options: dict[str, Any] | None = None):
         self.dest = dest
         self.spec = spec
         self.count = 0
@@ -107,7 +107,7 @@ class Reader(ABC):
         manifest: its manifest, when the caller has read it already.
     """
 
-    format: ClassVar[str] = ""
+    format: str = ""  # the registered name; a reader over parts or blocks of one names it per instance
     ACCEPTS_PARTS: ClassVar[bool] = False  # only the parted reader reads a manifest of several parts
     HANDLES: ClassVar[tuple[str, ...]] = ()  # per-process handles, dropped when pickled
 

@@ -47,13 +47,21 @@ class BlockStore(Protocol):
 class BlockedSource(Protocol):
     """A dataset to read a block at a time, as the entry point found it (``packer.remote.ranges.BlockedRemote``)."""
 
-    url: str
-    manifest: dict
-    view: Path
-    source: RangeSource
-    store: BlockStore
-    limit: int
-    total: int
+    # read-only: a NamedTuple (BlockedLocal) is one
+    @property
+    def url(self) -> str: ...
+    @property
+    def manifest(self) -> dict: ...
+    @property
+    def view(self) -> Path: ...
+    @property
+    def source(self) -> RangeSource: ...
+    @property
+    def store(self) -> BlockStore: ...
+    @property
+    def limit(self) -> int: ...
+    @property
+    def total(self) -> int: ...
 
     def layout_path(self, version: int) -> Path: ...
 
@@ -138,7 +146,7 @@ class BlockedReader(Reader):
         super().__init__(root, manifest=manifest)
         self.format = format_class.format
         self.format_class = format_class
-        self.layout = layout
+        self.ranges = layout  # each sample's byte range (not "layout": the classmethod that computes one)
         self.store = store
         self.where = where
         self.starts = np.asarray(starts, dtype=np.int64)
@@ -152,7 +160,7 @@ class BlockedReader(Reader):
         self._batch_blocks = 0  # the blocks of the batch map_blocks mapped last: all kept open
 
     def __len__(self) -> int:
-        return len(self.layout)
+        return len(self.ranges)
 
     def _open(self) -> None:
         self._blocks, self._lock = collections.OrderedDict(), threading.Lock()
@@ -165,7 +173,7 @@ class BlockedReader(Reader):
     def block_range(self, block: int) -> tuple[str, int, int]:
         """Block ``block``'s file and byte range ``(relpath, start, end)``."""
         file, start, end = (int(v) for v in self.spans[block])
-        return self.layout.files[file], start, end
+        return self.ranges.files[file], start, end
 
     def block_bytes(self) -> np.ndarray:
         """Each block's bytes (its range's length)."""
@@ -179,6 +187,7 @@ class BlockedReader(Reader):
         """Block ``block``'s bytes, opened when this process has not kept them, and kept among the last ``keep``
         (or the blocks of the batch :meth:`map_blocks` mapped, where there are more)."""
         self.open()
+        assert self._blocks is not None  # open() made it
         with self._lock:
             found = self._blocks.get(block)
             if found is None:
@@ -204,8 +213,8 @@ class BlockedReader(Reader):
         :meth:`read_many`'s, which cost a per-sample read (a map-style ``__getitem__``) a noticeable share."""
         block = int(np.searchsorted(self.starts, index, side="right")) - 1  # block_of, for one sample
         offset = int(self.spans[block][1])
-        return self._cut(index, self._block(block), int(self.layout.start[index]) - offset,
-                         int(self.layout.end[index]) - offset)
+        return self._cut(index, self._block(block), int(self.ranges.start[index]) - offset,
+                         int(self.ranges.end[index]) - offset)
 
     def _cut(self, index: int, data: memoryview, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of sample ``index``'s block ``data``."""
@@ -237,7 +246,7 @@ class BlockedReader(Reader):
         at = np.asarray(indices, dtype=np.int64)
         blocks = self.block_of(at)
         offsets = self.spans[blocks, 1]
-        starts, ends = (self.layout.start[at] - offsets).tolist(), (self.layout.end[at] - offsets).tolist()
+        starts, ends = (self.ranges.start[at] - offsets).tolist(), (self.ranges.end[at] - offsets).tolist()
         blocks_list = blocks.tolist()
         data = {block: self._block(block) for block in dict.fromkeys(blocks_list)}
         return [self._checked(index, self._cut(index, data[block], start, end))
@@ -245,7 +254,7 @@ class BlockedReader(Reader):
 
     def _checked(self, index: int, data: memoryview) -> Sample:
         """Sample ``index`` parsed from its range ``data``, its crc32 and label checked."""
-        sample = self.format_class.ranged_sample(index, data, self.layout, self.where)
+        sample = self.format_class.ranged_sample(index, data, self.ranges, self.where)
         if sample.crc32 is not None and zlib.crc32(sample.payload) != sample.crc32:
             what, fix = ("the file's", "re-pack") if self.local else ("the fetched", "re-pack or re-upload")
             raise CorruptDataError(f"{self.describe(index)}: checksum mismatch, {what} bytes are damaged; run "
@@ -256,10 +265,10 @@ class BlockedReader(Reader):
         return sample
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
-        return self.format_class.ranged_extras(index, self._range(index), self.layout, self.extra_fields, self.where)
+        return self.format_class.ranged_extras(index, self._range(index), self.ranges, self.extra_fields, self.where)
 
     def fields_checksum(self, index: int) -> int | None:
-        return self.format_class.ranged_fields_checksum(index, self._range(index), self.layout)
+        return self.format_class.ranged_fields_checksum(index, self._range(index), self.ranges)
 
     def read_fields(self, index: int, verify: bool = False) -> dict[str, memoryview | bytes]:
         """:meth:`Reader.read_fields`, always checked against the fields' checksum."""
@@ -285,4 +294,4 @@ class BlockedReader(Reader):
         return f"{self.where}/{self.sample_file(index)} sample {index}"
 
     def sample_file(self, index: int) -> str:
-        return self.layout.files[int(self.layout.file[index])]
+        return self.ranges.files[int(self.ranges.file[index])]

@@ -132,7 +132,7 @@ class Layout:
                   "end": self.end, "version": np.array(LAYOUT_VERSION)}
         arrays.update({f"index.{name}": value for name, value in self.index.items()})
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub fears a key named allow_pickle
         os.replace(tmp, path)
 
     @classmethod

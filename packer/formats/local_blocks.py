@@ -129,7 +129,7 @@ def _cached_pages(fd: int, start: int, end: int) -> tuple[int, np.ndarray] | Non
                 return None
         finally:
             del window  # before the map closes: it exports its buffer
-        return low, (np.frombuffer(vec, np.uint8) & 1).astype(bool)
+        return low, (np.frombuffer(memoryview(vec), np.uint8) & 1).astype(bool)
     finally:
         mapped.close()
 
@@ -261,7 +261,11 @@ class BlockedLocal(NamedTuple):
     limit: int  # page_budget, in bytes
     total: int  # the data files' bytes
     layouts: Path  # the folder the layout is cached in (the packer cache's, never the dataset's)
-    budget = "page_budget"  # the argument that set ``limit``, for the said-once line
+
+    @property
+    def budget(self) -> str:
+        """The argument that set ``limit``, for the said-once line."""
+        return "page_budget"
 
     def layout_path(self, version: int) -> Path:
         """Where the layout is cached: keyed by the data files' identity (path, size, modification time, inode,
@@ -310,6 +314,7 @@ def open_paged(root: str | os.PathLike, page_budget: int | str, cache_dir: str |
         UsageError: a bad budget, or ``root`` is no local folder (a URL's bound is ``cache_limit``), in one line.
     """
     budget = parse_page_budget(page_budget)
+    assert budget is not None  # page_budget is not None
     if not Path(root).is_dir():
         raise UsageError(f"{root}: page_budget bounds the page cache of a local dataset folder and this is none; "
                          "for a URL, bound its local cache with cache_limit instead")

@@ -9,6 +9,7 @@ found in the part whose cumulative counts contain it, so the order is the one a 
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import numpy as np
 
@@ -140,7 +141,7 @@ class PartedReader(Reader):
         for p, where, local in groups:
             for j, sample in zip(where.tolist(), self._part(p).read_many(local), strict=True):
                 out[j] = sample
-        return out
+        return cast(list[Sample], out)  # the groups cover every position of indices
 
     def gather_raw(self, indices: list[int], out: np.ndarray) -> np.ndarray | None:
         groups = self._groups(indices)

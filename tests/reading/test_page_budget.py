@@ -302,7 +302,7 @@ def test_a_block_larger_than_the_kernel_s_read_ahead_is_held_whole_and_a_release
 def test_damaged_bytes_are_one_line_naming_the_folder_and_file(fmt, packs, tmp_path):
     shutil.copytree(packs / fmt, tmp_path / fmt)
     ds = open_paged(tmp_path, fmt, tmp_path)
-    layout, index = ds.reader.layout, 77
+    layout, index = ds.reader.ranges, 77
     path = tmp_path / fmt / layout.files[int(layout.file[index])]
     data = bytearray(path.read_bytes())
     for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):
@@ -322,7 +322,7 @@ def test_a_damaged_local_block_says_to_verify_and_re_pack_naming_the_file(packs,
     """A local folder's messages speak of its files (a URL's, of fetched bytes and the cache)."""
     shutil.copytree(packs / "hdf5", tmp_path / "hdf5")
     ds = open_paged(tmp_path, "hdf5", tmp_path)
-    layout, index, folder = ds.reader.layout, 77, tmp_path / "hdf5"
+    layout, index, folder = ds.reader.ranges, 77, tmp_path / "hdf5"
     path = folder / layout.files[int(layout.file[index])]
     with open(path, "r+b") as f:  # the middle of its pixels: only the checksum can tell
         f.seek((int(layout.start[index]) + int(layout.end[index])) // 2)

@@ -372,7 +372,8 @@ def test_scan_shards_reads_webdataset_library_shards(foreign_shards):
         assert len(paths) > 1
         want = [e for e in expected if e[1] == kind]
         for label_key in ("cls", "json:label"):
-            index, relpaths = scan_shards(paths, label_key=label_key)[:2]
+            scanned = scan_shards(paths, label_key=label_key)
+            index, relpaths = scanned.index, scanned.relpaths
             assert len(index) == len(relpaths) == len(want)
             for row, rel, (key, ext, payload, label, _) in zip(index, relpaths, want, strict=True):
                 shard = paths[int(row["shard"])]

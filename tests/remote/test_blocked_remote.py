@@ -181,7 +181,7 @@ def test_a_dataset_that_fits_keeps_whole_files_and_one_in_parts_is_read_a_block_
     parted = open_blocked(f"{server.url}/parted", tmp_path / "other", total, decode=False)
     local = packer.open_dataset(packs / "parted", decode=False)  # the local parts reader
     assert len(parted) == len(local) == 2 * COUNT
-    assert parted.reader.layout.files == ("part-00000/data.mdb", "part-00001/data.mdb")
+    assert parted.reader.ranges.files == ("part-00000/data.mdb", "part-00001/data.mdb")
     for i in range(0, 2 * COUNT, 7):
         assert bytes(parted[i][0]) == bytes(local[i][0]) and parted[i][1] == local[i][1], i
 
@@ -193,7 +193,7 @@ def test_damaged_bytes_are_one_line_naming_the_url_and_file(fmt, packs, tmp_path
     try:
         url = f"{served.url}/{fmt}"
         ds = open_blocked(url, tmp_path / "cache", data_bytes(packs, fmt) // 8)
-        layout, index = ds.reader.layout, 77
+        layout, index = ds.reader.ranges, 77
         path = tmp_path / "served" / fmt / layout.files[int(layout.file[index])]
         data = bytearray(path.read_bytes())
         for at in (int(layout.start[index]) + 1, (int(layout.start[index]) + int(layout.end[index])) // 2):

@@ -65,7 +65,7 @@ def check_layout(ds: packer.PackedDataset) -> None:
     """The joined layout: every file in a part's folder, both parts, each block in one file."""
     reader = ds.reader
     assert type(reader).__name__ == "BlockedReader" and len(ds) == COUNT
-    assert {f.split("/")[0] for f in reader.layout.files} == {"part-00000", "part-00001"}
+    assert {f.split("/")[0] for f in reader.ranges.files} == {"part-00000", "part-00001"}
     for block in range(len(reader.starts)):
         first = int(reader.starts[block])
         last = int(reader.starts[block + 1]) - 1 if block + 1 < len(reader.starts) else COUNT - 1

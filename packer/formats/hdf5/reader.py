@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -39,11 +40,11 @@ def _field_value(index: int, values: np.ndarray, offsets: np.ndarray | None, whe
     """Sample ``index``'s stored bytes of one extra field: its row of a typed field (``offsets`` None), or its
     slice of a bytes field's ``values`` by ``offsets``; ``where`` names the sample in errors."""
     if offsets is None:
-        return memoryview(np.ascontiguousarray(values[index])).cast("B")
+        return np.ascontiguousarray(values[index]).data.cast("B")
     a, b = int(offsets[index]), int(offsets[index + 1])
     if not 0 <= a <= b <= len(values):
         raise CorruptDataError(f"{where}: field offsets out of range; run `packer verify`")
-    return memoryview(values[a:b])
+    return values[a:b].data
 
 
 def _field_index(name: str, node: h5py.Dataset | h5py.Group, arrays: list[np.ndarray], n: int,
@@ -78,9 +79,16 @@ class Hdf5Reader(Reader):
         self.locking = locking
         self._count = int(self.manifest["count"])
         self.path = self.root / FILENAME
-        self.file = self.images = self.offsets = self.shapes = self.labels = self.crcs = None
-        self.field_maps: list[tuple[np.ndarray, np.ndarray | None]] | None = None
-        self.fields_crcs: np.ndarray | None = None
+        # this process's handles (HANDLES), None until _open(): Any, as the reads that come after it cannot be
+        # told apart from the unopened state by their type; the h5py File and numpy maps of its arrays
+        self.file: Any = None
+        self.images: Any = None
+        self.offsets: Any = None  # None once opened too: fixed-size raw images
+        self.shapes: Any = None
+        self.labels: Any = None
+        self.crcs: Any = None
+        self.field_maps: Any = None  # list[tuple[np.ndarray, np.ndarray | None]]
+        self.fields_crcs: Any = None
         self._file_id = file_id(self.path)  # the file the manifest just read describes
 
     def _check_data(self) -> None:
@@ -318,6 +326,7 @@ class Hdf5Reader(Reader):
     def blocks(self, target_bytes: int) -> np.ndarray:
         """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
         self.open()
+        sizes: np.ndarray
         if self.offsets is None:
             sizes = np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
         else:

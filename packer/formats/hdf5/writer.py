@@ -36,7 +36,7 @@ class Hdf5Writer(Writer):
     FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp", FILENAME + ".field-*.tmp")
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, options)
+        super().__init__(dest, spec, expected_count, options)
         self.blob_path = dest / (FILENAME + ".blob.tmp")
         self.paths_path = dest / (FILENAME + ".paths.tmp")
         self.blob = open(self.blob_path, "wb")

@@ -8,6 +8,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -123,8 +124,8 @@ class LmdbReader(Reader):
         super().__init__(root, manifest)
         self.readahead = readahead
         self._count = int(self.manifest["count"])
-        self.env = None
-        self.txn = None
+        self.env: Any = None  # this process's lmdb Environment and read transaction (HANDLES), None until _open()
+        self.txn: Any = None
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
@@ -173,7 +174,8 @@ class LmdbReader(Reader):
         now = file_id(path)
         recorded = self._file_id = self._file_id or now
         inherited = recorded is not None and (recorded.dev, recorded.ino) in _ENVS
-        if not inherited or (now is not None and (now.dev, now.ino) == (recorded.dev, recorded.ino)):
+        if recorded is None or not inherited or (
+                now is not None and (now.dev, now.ino) == (recorded.dev, recorded.ino)):
             # the file at the path is the one to read: it must be there, unchanged since the manifest was read,
             # and whole. LMDB maps the whole file and trusts it: reading a page past the end of a truncated file
             # is SIGBUS, so a file shorter than the manifest says is refused before it is mapped
@@ -186,6 +188,7 @@ class LmdbReader(Reader):
             check_unchanged(path, recorded, now)
             self._check_size(now)
         # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
+        assert recorded is not None  # when it is None, so is now: refused above
         self.env = _shared_env(self.root, recorded, self.readahead, self)
         self.txn = self.env.begin(buffers=True)
         self._generation = _generation

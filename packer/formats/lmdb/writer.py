@@ -24,7 +24,7 @@ class LmdbWriter(Writer):
     COMMIT_SAMPLES = 2000
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, options)
+        super().__init__(dest, spec, expected_count, options)
         # PACKER_LMDB_MAP_BYTES starts from a smaller map, so that tests reach the map growth in _commit
         map_size = (int(os.environ.get("PACKER_LMDB_MAP_BYTES", 0))
                     or max(1 << 30, int(options.get("estimated_bytes", 0) * 1.5)))

@@ -7,8 +7,9 @@ import io
 import json
 import re
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,8 @@ def _shard_samples(path: Path, skipped: list[tuple[str, str]]) -> list[tuple[str
                 if ext in samples.setdefault(k, {}):
                     repeated.setdefault(k, member.name)
                 samples[k][ext] = member
-            tar.members = []  # the index keeps what it needs; the TarInfos of a big shard need not stay
+            # the index keeps what it needs; the TarInfos of a big shard need not stay (typeshed leaves members out)
+            tar.members = []  # type: ignore[attr-defined]
         except tarfile.TarError as exc:
             raise CorruptDataError(f"{path}: damaged tar shard ({exc}); re-create it") from None
     out = []
@@ -183,7 +185,8 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, int, int], int]:
     return (shape[0], shape[1], shape[2] if len(shape) == 3 else 1), f.tell()
 
 
-class ForeignShards(NamedTuple):
+@dataclass(frozen=True)
+class ForeignShards:
     """The index :func:`scan_shards` built of shards packer did not write: a row per sample, its relative path,
     the (offset, size) of each field's member, the fields, and whether samples have a label."""
 

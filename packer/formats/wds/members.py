@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -123,7 +124,7 @@ def member_header(block: bytes) -> tuple[str, int] | None:
     except tarfile.TarError:
         return None
     return info.name, info.size
-def payload_sample(shard: memoryview, at: int, size: int, label: int, crc32: int | None, shape: tuple,
+def payload_sample(shard: memoryview | mmap.mmap, at: int, size: int, label: int, crc32: int | None, shape: tuple,
                    where: object, index: int) -> Sample:
     """Sample ``index`` whose payload is ``size`` bytes at ``at`` of ``shard`` (a shard's bytes, or a range of
     them); :class:`CorruptDataError` naming ``where`` (the shard) when they end early."""

@@ -3,6 +3,7 @@ through their scan), checked against the manifest, read a block at a time by ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -10,6 +11,7 @@ import re
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,8 +69,10 @@ class WdsReader(Reader):
         super().__init__(root, manifest)
         self._count = int(self.manifest["count"])
         self.shard_paths = [self.root / s["path"] for s in self.manifest.get("shards", [])]
-        self.index = None
-        self.maps: list | None = None
+        # this process's handles (HANDLES), None until _open(): Any, as the reads that come after it cannot be
+        # told apart from the unopened state by their type; the shard index and a map of each shard (or None)
+        self.index: Any = None
+        self.maps: Any = None  # list[mmap.mmap | None]
         self.foreign = foreign  # shards packer did not write: their index, built from the tar headers
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
@@ -138,23 +142,23 @@ class WdsReader(Reader):
         What :func:`scan_shards` leaves out (link members, repeated members, keys without an image) is listed
         in the reader's ``skipped``, ``[("SHARD/MEMBER", why)]``, and with ``warn_skipped`` said in one
         warning line; what it refuses raises."""
-        paths = [Path(p) for p in paths]
-        if not paths:
+        shard_paths = [Path(p) for p in paths]
+        if not shard_paths:
             raise PackerError("from_shards needs at least one shard path")
         skipped: list[tuple[str, str]] = []
-        foreign = scan_shards(paths, label_key, skipped, None if classes is None else len(classes))
+        foreign = scan_shards(shard_paths, label_key, skipped, None if classes is None else len(classes))
         if not keep_fields:  # image and label only
-            foreign = foreign._replace(members=foreign.members[:, :0], fields=[])
+            foreign = dataclasses.replace(foreign, members=foreign.members[:, :0], fields=[])
         index = foreign.index
         if len(index) == 0:
-            raise PackerError(f"{paths[0]}: no samples with an image in these shards")
+            raise PackerError(f"{shard_paths[0]}: no samples with an image in these shards")
         if classes is None:
             classes = [str(i) for i in range(int(index["label"].max()) + 1)] if foreign.labelled else []
-        root = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
+        root = Path(os.path.commonpath([str(p.resolve().parent) for p in shard_paths]))
         manifest = {"format": "wds", "count": len(index), "classes": list(classes),
                     "class_to_idx": {c: i for i, c in enumerate(classes)}, "transform": {"store": "original"},
                     "shape": None, "checksum": "none",
-                    "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in paths]}
+                    "shards": [{"path": os.path.relpath(p.resolve(), root)} for p in shard_paths]}
         if foreign.fields or not foreign.labelled:
             schema = [PAIR_SCHEMA[0], *([Field("label", "class")] if foreign.labelled else []), *foreign.fields]
             manifest["fields"] = [f.to_dict() for f in schema]
@@ -162,7 +166,7 @@ class WdsReader(Reader):
         reader.skipped = skipped
         if skipped and warn_skipped:
             rel, why = skipped[0]
-            shard = next(p for p in paths if p.name == rel.split("/", 1)[0])
+            shard = next(p for p in shard_paths if p.name == rel.split("/", 1)[0])
             warn(f"skipped {len(skipped)} member(s) of these shards, listed in the dataset's `skipped`; the first: "
                  f"{shard}/{rel.split('/', 1)[1]}: {why}")
         return reader
@@ -375,7 +379,8 @@ class WdsReader(Reader):
         if not 0 <= int(key) - key_offset < len(self):
             return []
         index = int(key) - key_offset
-        data = tar.extractfile(member).read()
+        extracted = tar.extractfile(member)  # None: not a regular file, so no label to read
+        data = extracted.read() if extracted is not None else b""
         try:
             label = int(data) if ext == "cls" else int(json.loads(data)["label"])  # packer's json member
         except (ValueError, KeyError, TypeError):

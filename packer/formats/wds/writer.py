@@ -48,7 +48,7 @@ class WdsWriter(Writer):
              PARTIAL_INDEX)
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
-        super().__init__(dest, spec, options)
+        super().__init__(dest, spec, expected_count, options)
         schema = options.get("schema") or ()
         self.has_label = not schema or label_field(schema) is not None
         self.meta_ext = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
@@ -68,15 +68,18 @@ class WdsWriter(Writer):
         """Add one member; return the offset of its data in the shard."""
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), 0, 0o644, 0, 0, "", ""
+        assert self.tar is not None  # a shard is started before its members are added
         start = self.tar.offset + tarfile.BLOCKSIZE
         self.tar.addfile(info, io.BytesIO(data))
-        self.tar.members.clear()  # tarfile keeps every member's TarInfo: a shard of tiny images holds millions
+        # tarfile keeps every member's TarInfo: a shard of tiny images holds millions (typeshed leaves members out)
+        self.tar.members.clear()  # type: ignore[attr-defined]
         return start
 
     def _size_after(self, *member_sizes: int) -> int:
         """The shard's file size if it ended after members of these sizes: each member is a header block and its
         data padded to whole blocks; the end of the archive adds two zero blocks, then pads to a whole record."""
         block = tarfile.BLOCKSIZE
+        assert self.tar is not None  # asked of the shard being written
         end = self.tar.offset + sum(block + -(-n // block) * block for n in member_sizes) + 2 * block
         return -(-end // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
