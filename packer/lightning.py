@@ -110,14 +110,15 @@ class PackedDataModule(pl.LightningDataModule):
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
             arguments.flag(name, value)
         arguments.seed("seed", seed)
-        for name, value in (("dataset_options", dataset_options), ("loader_options", loader_options)):
-            if value is not None and not isinstance(value, dict):
-                raise UsageError(f"{name} must be a dict of keyword arguments or None, not {value!r}")
+        for name, given in (("dataset_options", dataset_options), ("loader_options", loader_options)):
+            if given is not None and not isinstance(given, dict):
+                raise UsageError(f"{name} must be a dict of keyword arguments or None, not {given!r}")
         self.train_root, self.val_root = train, val
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.view = {"resize": resize, "center_crop": center_crop}
-        self.augment = {"random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip}
+        self.view: dict[str, Any] = {"resize": resize, "center_crop": center_crop}
+        self.augment: dict[str, Any] = {"random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio,
+                                        "flip": flip}
         self.dataset_options = dict(dataset_options or {})
         self.loader_options = dict(loader_options or {})
         for name, options in (("dataset_options", self.dataset_options), ("loader_options", self.loader_options)):
@@ -140,6 +141,7 @@ class PackedDataModule(pl.LightningDataModule):
         """The training loader, at the Trainer's current epoch (its checkpoint then moves it to where it stopped)."""
         if self.train_set is None:
             self.setup("fit")
+        assert self.train_set is not None  # setup("fit") opened it
         loader = make_loader(self.train_set, self.batch_size, shuffle=self.shuffle, seed=self.seed,
                              drop_last=self.drop_last, **self.loader_options)
         trainer = self.trainer
@@ -153,4 +155,5 @@ class PackedDataModule(pl.LightningDataModule):
             return []
         if self.val_set is None:
             self.setup("validate")
+        assert self.val_set is not None  # setup("validate") opened it (there is a val)
         return EpochLoader(make_loader(self.val_set, self.val_batch_size, shuffle=False, **self.loader_options))

@@ -41,7 +41,8 @@ import queue
 import random
 import sys
 import threading
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -202,7 +203,7 @@ class PrefetchLoader(DataLoader):
         received = self._received
         if received is None:
             return sampler.state_dict()
-        return received.plan.state(received.received * self.batch_size)
+        return received.plan.state(received.received * sampler.batch_size)  # the loader's, as it resumes
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration the rest of the epoch ``state`` was taken in (the samples no rank has received
@@ -309,9 +310,10 @@ class BatchReads(Dataset):
 
     def __getitems__(self, indices: list[int]) -> list | Crossed:
         try:
-            worker = torch.utils.data.get_worker_info() if self.maps is not None else None
-            if worker is not None:
-                self.maps.note(self.dataset.reader, indices, worker.id)
+            if self.maps is not None:
+                worker = torch.utils.data.get_worker_info()
+                if worker is not None:
+                    self.maps.note(self.dataset.reader, indices, worker.id)
             return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
         except PackerError as exc:
             if torch.utils.data.get_worker_info() is None or not self.crossing:
@@ -430,7 +432,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         settings.update(persistent_workers=True, prefetch_factor=plan.prefetch, worker_init_fn=seed_worker)
     if "sampler" not in overrides and "batch_sampler" not in overrides and not isinstance(dataset, IterableDataset):
         starts = _block_starts(dataset, block_bytes) if shuffle == BLOCKS else None
-        settings["sampler"] = ResumableSampler(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
+        # a map-style dataset has a length (DataLoader's own samplers take it too); Dataset does not declare it
+        settings["sampler"] = ResumableSampler(cast(Sized, dataset), batch_size=batch_size, shuffle=shuffle, seed=seed,
                                                drop_last=drop_last, blocks=starts, window=block_window)
     settings.update(overrides)
     if settings.get("batch_sampler") is not None:
@@ -444,8 +447,8 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         if short:
             say_once(short)
     maps = WorkerMaps.of(reader, settings["num_workers"] if plan.engine == "torch" else 0)
-    data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate, maps) if packed \
-        else dataset
+    data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate, maps) \
+        if isinstance(dataset, PackedDataset) else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
                           pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,
                           fetch_ahead=fetch_ahead, **settings)

@@ -87,9 +87,13 @@ class EpochPass:
     def batches(self) -> int:
         return -(-self.per_rank // self.batch_size)
 
+    def _block_order(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self.blocks is not None and self.window is not None  # shuffle="blocks" always comes with both
+        return block_order(self.blocks, self.length, self.window, self.seed, self.epoch)
+
     def order(self) -> torch.Tensor:
         if self.shuffle == BLOCKS:
-            return torch.from_numpy(block_order(self.blocks, self.length, self.window, self.seed, self.epoch)[0])
+            return torch.from_numpy(self._block_order()[0])
         if not self.shuffle:
             return torch.arange(self.length)
         generator = torch.Generator()
@@ -101,7 +105,7 @@ class EpochPass:
         if self.per_rank == 0:
             return []
         if self.shuffle == BLOCKS:
-            order, place = block_order(self.blocks, self.length, self.window, self.seed, self.epoch)
+            order, place = self._block_order()
             return order[deal_steps(place, self.start, self.per_rank, self.batch_size, self.world, self.rank)].tolist()
         positions = torch.arange(self.per_rank) * self.world + (self.start + self.rank)
         return self.order()[positions % self.length].tolist()

@@ -90,6 +90,7 @@ def rank_batches(plan: EpochPass) -> list[np.ndarray]:
     shard). Shuffled: the block order of the shards with a window of ``plan.window``; else the packed order."""
     if plan.per_rank == 0:
         return []
+    assert plan.blocks is not None and plan.window is not None  # a stream's pass carries its shards' starts and window
     if plan.shuffle:
         order, place = block_order(plan.blocks, plan.length, plan.window, plan.seed, plan.epoch)
     else:
@@ -114,27 +115,30 @@ class ShardStreams(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        batches = self._batches(rank_batches(self.plan)[worker::workers])
+        plan = self.plan
+        assert plan is not None and plan.blocks is not None  # set by the stream before each pass, with the starts
+        batches = self._batches(rank_batches(plan)[worker::workers], plan.blocks, plan.epoch)
         return batches if info is None else carried(batches)  # an error crosses to the caller as itself
 
-    def _batches(self, mine: list[np.ndarray]) -> Iterator[Any]:
+    def _batches(self, mine: list[np.ndarray], starts: np.ndarray, epoch: int) -> Iterator[Any]:
         uses = Counter(int(i) for batch in mine for i in batch)
         held: dict[int, StreamSample] = {}
         for batch in mine:
             samples = []
             for i in batch.tolist():
                 if i not in held:
-                    self._read(int(np.searchsorted(self.plan.blocks, i, side="right")) - 1, uses, held)
+                    self._read(int(np.searchsorted(starts, i, side="right")) - 1, starts, uses, held)
                 samples.append(held[i])
                 uses[i] -= 1
                 if not uses[i]:
                     del held[i]
-            yield self.decoder.batch(samples, self.plan.epoch)
+            yield self.decoder.batch(samples, epoch)
 
-    def _read(self, block: int, uses: Counter, held: dict[int, StreamSample]) -> None:
-        """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
+    def _read(self, block: int, starts: np.ndarray, uses: Counter, held: dict[int, StreamSample]) -> None:
+        """Read shard ``block`` (its first sample at ``starts[block]``) from start to end, keeping the samples
+        this stream still uses."""
         shard, count = self.shards[block]
-        first, n = int(self.plan.blocks[block]), 0
+        first, n = int(starts[block]), 0
         for n, sample in enumerate(shard_samples(shard, self.extras, self.reader, lambda k: uses[first + k] > 0), 1):
             if n > count or sample is None:  # the samples of other streams are skipped, not read
                 continue
@@ -324,7 +328,7 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     if not entries:
         raise PackerError(f"{root}: packer.stream reads WebDataset shards, and this {manifest.get('format')} "
                           "dataset has none; read it with packer.open_dataset and packer.make_loader")
-    shards = [(files[path] if files is not None else root / path, count) for path, count in entries]
+    shards: list[Shard] = [(files[path] if files is not None else Path(root) / path, count) for path, count in entries]
     if sum(count for _, count in shards) != int(manifest["count"]):
         raise PackerError(f"{root}/manifest.json: its shards hold {sum(count for _, count in shards)} samples, its "
                           f"count says {manifest['count']}; the dataset is damaged, re-pack")

@@ -164,7 +164,7 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
     torch.manual_seed(seed + worker_id)
     random.seed(seed + worker_id)
     np.random.seed((seed + worker_id) % 2**32)
-    slots: dict[int, np.ndarray] = {}
+    slots: dict[int, tuple[np.ndarray, ...]] = {}
     reader = blocked_reader(dataset)
     while True:
         try:
@@ -184,7 +184,7 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
                 reader.map_blocks(indices)
                 mapped[worker_id] = sequence
             result = dataset.decode_slot(indices, [array[: len(indices)] for array in slots[slot_id]])
-            reply = (key, result, None)
+            reply: tuple[Any, Any, BaseException | None] = (key, result, None)
         except Exception as exc:  # sent to the main process, raised there for this batch
             reply = (key, None, _sendable(exc))
         conn.send(reply)
@@ -272,7 +272,8 @@ class WorkerPool:
             self.processes.append(process)
         self.in_flight = [0] * workers  # batches sent to each worker and not answered
         self.has_slot: list[set[int]] = [set() for _ in range(workers)]
-        self.pending: dict[tuple[int, int], tuple[int, int, np.ndarray, int]] = {}  # key -> worker, slot, rows
+        # key -> worker, slot, the slot's arrays, rows
+        self.pending: dict[tuple[int, int], tuple[int, int, tuple[np.ndarray, ...], int]] = {}
         self.done: dict[tuple[int, int], tuple[Any, BaseException | None]] = {}
         self.passes = itertools.count()
         self.current = -1  # the pass being iterated
@@ -360,8 +361,8 @@ class WorkerPool:
         if not ready:
             raise PackerError(f"no batch from the loader's {len(self.processes)} worker processes in "
                               f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.dataset.root}")
-        for conn in [c for c in ready if c in self.conns]:
-            worker = self.conns.index(conn)
+        for worker in [self.conns.index(c) for c in ready if c in self.conns]:
+            conn = self.conns[worker]
             try:
                 key, labels, error = conn.recv()
             except (EOFError, OSError):

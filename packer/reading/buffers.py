@@ -40,8 +40,8 @@ def placed_empty(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = 
     fastest (:data:`packer.reading.decoding.DECODE_OFFSET`, whose comment has the measurements) rather than on the
     allocator's 64-byte boundary; unpinned, in numpy's memory (:func:`~packer.reading.decoding.decode_buffer`)."""
     if not pin_memory and dtype in _NUMPY_DTYPES:
-        flat = decode_buffer(tensor_bytes(shape, dtype))
-        return torch.from_numpy(flat.view(_NUMPY_DTYPES[dtype]).reshape(shape))
+        memory = decode_buffer(tensor_bytes(shape, dtype))
+        return torch.from_numpy(memory.view(_NUMPY_DTYPES[dtype]).reshape(shape))
     flat = torch.empty(tensor_bytes(shape, dtype) + DECODE_SLACK, dtype=torch.uint8, pin_memory=pin_memory)
     return _placed(flat, shape, dtype)
 

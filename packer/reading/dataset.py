@@ -12,7 +12,7 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from ..formats.base import Sample
 from ..formats.hdf5 import Hdf5Reader
 from ..formats.lmdb import LmdbReader
 from ..formats.wds import WdsReader
+from ..images.transforms import Size
 from .augment import Window
 from .batches import TORCH_DTYPES, FieldBatch, field_tensor
 from .buffers import BatchPool, empty_batch
@@ -109,7 +110,7 @@ class PackedDataset(Dataset):
     def __init__(self, root: str | os.PathLike | Reader, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
                  threads: int = 1, manifest: dict | None = None, fields: Sequence[str] | str | None = None,
-                 resize: int | str | None = None, center_crop: int | str | None = None,
+                 resize: int | str | Size | None = None, center_crop: int | str | Size | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
                  random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0, **options: Any):
@@ -286,9 +287,8 @@ class PackedDataset(Dataset):
         if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
             return self._read_varying(indices, threads)
         batch = empty_batch((len(indices), *shape), self.output_dtype(), pin_memory, self._batches)
-        labels = self.decode_into(indices, batch.numpy(), threads)
+        labels = torch.as_tensor(self.decode_into(indices, batch.numpy(), threads), dtype=torch.int64)
         images = batch.permute(0, 3, 1, 2)  # NCHW view, channels_last in memory: no transpose copy
-        labels = torch.as_tensor(labels, dtype=torch.int64)
         pairs = zip(images.unbind(0), labels.tolist(), strict=True)
         if self.transform is not None or self.target_transform is not None:
             return [self._finish(image, label) for image, label in pairs]
@@ -319,7 +319,7 @@ class PackedDataset(Dataset):
                                         epochs[j])
             # a copy each is less work than handing it to a thread
             self._parallel(fill, list(range(len(indices))), 1 if copies_only else threads)
-            labels = [s.label for s in samples]
+            return [s.label for s in samples]
         return labels
 
     # -- fields (datasets beyond image + class, or fields=) ----------------------------------------------------
@@ -405,15 +405,15 @@ class PackedDataset(Dataset):
         dataset with fields the other values)."""
         if self._pair:
             return self.decode_into(indices, arrays[0])
-        return self.decode_rows(indices, {name: a for (name, _, _), a in zip(self.batch_layout(), arrays,
-                                                                              strict=True)})
+        layout = cast(list, self.batch_layout())  # not None: slots are made only for batches of one layout
+        return self.decode_rows(indices, {name: a for (name, _, _), a in zip(layout, arrays, strict=True)})
 
     def slot_batch(self, tensors: list[torch.Tensor], result: Any) -> Any:
         """The batch from a slot's tensors (:meth:`batch_layout`, (B, ...) each) and a worker's result
         (:meth:`decode_slot`): ``(images, labels)``, or the batch of a dataset with fields."""
         if self._pair:
             return tensors[0].permute(0, 3, 1, 2), torch.as_tensor(result, dtype=torch.int64)
-        names = [name for name, _, _ in self.batch_layout()]
+        names = [name for name, _, _ in cast(list, self.batch_layout())]  # not None, as in decode_slot
         return self.field_batch(dict(zip(names, tensors, strict=True)), *result)
 
     def _read_fields_batch(self, indices: list[int], threads: int, pin_memory: bool) -> list:
@@ -494,6 +494,7 @@ class WdsDataset(PackedDataset):
     reading through the ``webdataset`` library, see :func:`packer.stream`."""
 
     reader_class = WdsReader
+    skipped: list[tuple[str, str]]  # from_shards only: what the scan left out
 
     @classmethod
     def from_shards(cls, paths: list[str | os.PathLike], label_key: str = "cls", classes: list[str] | None = None,
@@ -528,7 +529,7 @@ _READER_OPTIONS = {"readahead": "lmdb", "locking": "hdf5"}  # open_dataset's rea
 
 def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
-                 threads: int = 1, resize: int | str | None = None, center_crop: int | str | None = None,
+                 threads: int = 1, resize: int | str | Size | None = None, center_crop: int | str | Size | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
                  random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0,
@@ -575,8 +576,8 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     for name, value in (("transform", transform), ("target_transform", target_transform)):
         if value is not None and not callable(value):
             raise UsageError(f"{name} must be a callable or None, not {value!r}")
-    for name, value in (("decode", decode), ("verify", verify)):
-        arguments.flag(name, value)
+    for name, flag in (("decode", decode), ("verify", verify)):
+        arguments.flag(name, flag)
     arguments.int_at_least("threads", threads, 1)
     options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
                if value is not None}
@@ -586,12 +587,12 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
 
     found = (open_remote(root, storage_options, cache_dir, cache_limit) if page_budget is None
              else open_paged(root, page_budget, cache_dir))
-    blocked = not isinstance(found, (str, os.PathLike))
-    reader = open_blocked(found, reader_class(found.manifest, found.url)) if blocked else open_reader(found)
+    reader = open_reader(found) if isinstance(found, (str, os.PathLike)) else open_blocked(  # or read a block at a time
+        found, reader_class(found.manifest, found.url))
     for name in options:
         if reader.format != _READER_OPTIONS[name]:
             raise UsageError(f"{name} is an option of {_READER_OPTIONS[name]} datasets; {root} is {reader.format}")
-    if options and not blocked:  # options of the local files' readers
+    if options and isinstance(found, (str, os.PathLike)):  # options of the local files' readers
         reader = open_reader(reader.root, **options)
     return _DATASETS.get(type(reader), PackedDataset)(
         reader, transform=transform, target_transform=target_transform, decode=decode, verify=verify,

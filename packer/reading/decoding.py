@@ -102,8 +102,9 @@ class Decoding:
             :class:`packer.reading.dataset.PackedDataset` takes them.
     """
 
-    def __init__(self, reader: Reader, resize: int | str | None = None, center_crop: int | str | None = None,
-                 interpolation: str = "bilinear", decoder: str = "auto",
+    def __init__(self, reader: Reader, resize: int | str | tuple[int, int] | None = None,
+                 center_crop: int | str | tuple[int, int] | None = None, interpolation: str = "bilinear",
+                 decoder: str = "auto",
                  random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0):
         self.reader = reader
@@ -135,6 +136,11 @@ class Decoding:
     @property
     def _is_raw(self) -> bool:
         return self.reader.is_raw
+
+    def _stored_array(self, index: int, sample: Sample) -> np.ndarray:
+        arr = self.reader.stored_array(index, sample)
+        assert arr is not None  # asked only when the reader stores arrays (_is_raw)
+        return arr
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
@@ -217,6 +223,7 @@ class Decoding:
         path (auto/fast): JPEGs decoded at a reduced DCT scale, OpenCV's resampler, within 30 dB of Pillow's."""
         name = self.reader.describe(index)
         size = self.random_resized_crop
+        assert size is not None  # called only with a random_resized_crop
         full = self._full_size(index, sample)
         fast = self.decoder != "pil"
         if fast and not self._is_raw:
@@ -225,8 +232,8 @@ class Decoding:
             if arr is not None:
                 return arr
         if self._is_raw or fast:
-            arr = self.reader.stored_array(index, sample) if self._is_raw else decode(sample.payload, self.spec.mode,
-                                                                                     name, self.max_pixels)
+            arr = self._stored_array(index, sample) if self._is_raw else decode(sample.payload, self.spec.mode, name,
+                                                                                self.max_pixels)
             decoded = arr.shape[:2]
         else:
             img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
@@ -286,7 +293,7 @@ class Decoding:
         name = self.reader.describe(index)
         geometry = self.resize or self.center_crop
         if self._is_raw:
-            arr = self.reader.stored_array(index, sample)
+            arr = self._stored_array(index, sample)
             if geometry:
                 arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
         elif self.decoder == "pil":
@@ -296,9 +303,9 @@ class Decoding:
             arr = as_hwc(img)
         elif geometry:
             if self.decoder == "fast":
-                arr = self._fast_resize_crop(index, sample, out)
-                if arr is not None:
-                    return arr
+                fast = self._fast_resize_crop(index, sample, out)
+                if fast is not None:
+                    return fast
             arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
             kept = crop_slice(arr.shape[:2], self.resize, self.center_crop)
             if kept is not None:  # stored at the read-time size: a crop, copied once below
@@ -364,7 +371,9 @@ class CroppedJpegRow(RowDecoder):
 
     def __call__(self, index: int, sample: Sample, out: np.ndarray, epoch: int = 0) -> np.ndarray:
         size = jpeg_size(sample.payload)
-        kept = self.kept_by_size.get(size) if size is not None else False
+        if size is None:  # not a JPEG
+            return self.general(index, sample, out, epoch)
+        kept = self.kept_by_size.get(size)
         if kept is None:
             kept = self.kept_by_size.setdefault(size, size[0] * size[1] <= self.max_pixels
                                                 and crop_slice(size, self.resize, self.crop) or False)

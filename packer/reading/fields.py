@@ -141,11 +141,12 @@ class FieldDecoder:
               out: np.ndarray | None = None) -> Any:
         """One stored field value decoded: a dense field through the sample's ``geometry`` (into ``out`` when
         given), anything else with :func:`packer.fields.decode`."""
+        if not field.dense:
+            return decode(field, data)
+        assert geometry is not None  # given whenever the sample has a dense field
         if field.kind == "mask":
             return self.mask(d, index, field, data, geometry, out)
-        if field.kind == "image":
-            return self.second_image(d, index, field, data, geometry, out)
-        return decode(field, data)
+        return self.second_image(d, index, field, data, geometry, out)
 
     @staticmethod
     def _describe(d: Decoding, index: int, field: Field) -> str:
@@ -160,6 +161,7 @@ class FieldDecoder:
         sy, sx = mask.shape[0] / full[0], mask.shape[1] / full[1]
         flipped = window is not None and window.flipped
         if d.random_resized_crop is not None:
+            assert window is not None  # a random resized crop augments: every sample has a window
             box = (window.left * sx, window.top * sy, (window.left + window.width) * sx,
                    (window.top + window.height) * sy)
             result = nearest_box(mask, box, d.random_resized_crop, flipped)
@@ -198,6 +200,7 @@ class FieldDecoder:
         window = geometry.window
         flipped = window is not None and window.flipped
         if d.random_resized_crop is not None:
+            assert window is not None  # a random resized crop augments: every sample has a window
             window = scaled_window(window, geometry.full, arr.shape[:2])
             return write_image(pil_window(arr, window, d.random_resized_crop, d.interpolation), flipped, out)
         if d.resize or d.center_crop:

@@ -66,6 +66,7 @@ class FolderDataset(PackedDataset):
     simplejpeg for JPEGs, which gives the same pixels faster."""
 
     reader_class = FolderDatasetReader
+    reader: FolderDatasetReader
 
     @property
     def samples(self) -> list[tuple[str, int]]:
