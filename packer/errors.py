@@ -4,8 +4,8 @@ what to do."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from typing import TypeVar
+from collections.abc import Iterator, Sized
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -108,14 +108,14 @@ def carried(iterator: Iterator[T]) -> Iterator[T | Crossed]:
         yield Crossed(exc)
 
 
-class uncrossed:  # noqa: N801 - used as a function
+class uncrossed(Generic[T]):  # noqa: N801 - used as a function
     """``iterator``'s items, raising the error of a :class:`Crossed` one (in the main process). Anything else
     (``len``, the iterator's attributes) is the wrapped iterator's."""
 
     def __init__(self, iterator: Iterator[T | Crossed]):
         self.iterator = iterator
 
-    def __iter__(self) -> uncrossed:
+    def __iter__(self) -> uncrossed[T]:
         return self
 
     def __next__(self) -> T:
@@ -125,9 +125,9 @@ class uncrossed:  # noqa: N801 - used as a function
         return item
 
     def __len__(self) -> int:
-        return len(self.iterator)
+        return len(cast(Sized, self.iterator))  # asked only of a sized iterator (a DataLoader's); else TypeError
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name == "iterator":
             raise AttributeError(name)
         return getattr(self.iterator, name)

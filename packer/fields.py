@@ -21,7 +21,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
@@ -88,8 +88,9 @@ class Field:
             shape = entry.get("shape", [])
             if shape is not None and not (isinstance(shape, list) and all(type(n) is int for n in shape)):
                 raise ValueError(f"field {entry.get('name')!r}: shape {shape!r} is not a list of integers")
-            return cls(entry.get("name"), entry.get("kind"), None if shape is None else tuple(shape),
-                       entry.get("pixels"))
+            # name, kind and pixels as read: __post_init__ rejects any that is missing or not a string
+            return cls(cast(str, entry.get("name")), cast(str, entry.get("kind")),
+                       None if shape is None else tuple(shape), entry.get("pixels"))
         except ValueError as exc:
             raise ManifestError(f"{where}: {exc}; the manifest is damaged, re-pack") from None
 
@@ -213,7 +214,7 @@ def _json_cell(cell: object) -> object:
     return None
 
 
-def _is_int(cell: object) -> bool:
+def _is_int(cell: object) -> TypeGuard[int | str]:
     if isinstance(cell, bool):
         return False
     if isinstance(cell, int):
@@ -221,7 +222,7 @@ def _is_int(cell: object) -> bool:
     return isinstance(cell, str) and bool(_INT.match(cell.strip())) and INT64_RANGE[0] <= int(cell) <= INT64_RANGE[1]
 
 
-def _is_number(cell: object) -> bool:
+def _is_number(cell: object) -> TypeGuard[int | float | str]:
     if isinstance(cell, bool):
         return False
     if isinstance(cell, (int, float)):
@@ -232,7 +233,7 @@ def _is_number(cell: object) -> bool:
         return False
 
 
-def _number_list(value: object) -> bool:
+def _number_list(value: object) -> TypeGuard[list[Any]]:
     return isinstance(value, list) and all(_is_number(v) and not isinstance(v, str) for v in value)
 
 
@@ -248,9 +249,10 @@ def infer_field(name: str, cells: Sequence[object]) -> Field:
         return Field(name, "float32")
     parsed = [_json_cell(c) for c in present]
     if present and all(p is not None for p in parsed):
-        if all(_number_list(p) for p in parsed) and any(parsed):
-            kind = "int64" if all(_is_int(v) for p in parsed for v in p) else "float32"  # type: ignore[union-attr]
-            lengths = {len(p) for p in parsed}  # type: ignore[arg-type]
+        lists = [p for p in parsed if _number_list(p)]
+        if len(lists) == len(parsed) and any(lists):
+            kind = "int64" if all(_is_int(v) for p in lists for v in p) else "float32"
+            lengths = {len(p) for p in lists}
             return Field(name, kind, (lengths.pop(),) if len(lengths) == 1 and 0 not in lengths else None)
         return Field(name, "json")
     if present and all(isinstance(c, str) and c.lower().endswith(IMAGE_SUFFIXES) for c in present):
@@ -263,15 +265,16 @@ def cell_value(field: Field, cell: object, text: bool = True) -> Any:
     ``text``: the cell is a CSV cell's text (JSON is parsed from it), not already a JSON value (JSON Lines)."""
     if field.kind in NUMERIC:
         if field.shape == ():
-            ok = _is_int(cell) if field.kind == "int64" else _is_number(cell)
-            if not ok:
-                raise ValueError(f"{cell!r} is not {'an integer' if field.kind == 'int64' else 'a number'}")
-            return int(cell) if field.kind == "int64" else float(cell)  # type: ignore[arg-type]
+            if field.kind == "int64" and _is_int(cell):
+                return int(cell)
+            if field.kind != "int64" and _is_number(cell):
+                return float(cell)
+            raise ValueError(f"{cell!r} is not {'an integer' if field.kind == 'int64' else 'a number'}")
         value = _json_cell(cell)
-        if not _number_list(value) or (field.kind == "int64" and not all(_is_int(v) for v in value)):  # type: ignore[union-attr]
+        if not _number_list(value) or (field.kind == "int64" and not all(_is_int(v) for v in value)):
             raise ValueError(f"{cell!r} is not a JSON list of {'integers' if field.kind == 'int64' else 'numbers'}")
-        if field.shape is not None and len(value) != field.shape[0]:  # type: ignore[arg-type]
-            raise ValueError(f"{cell!r} has {len(value)} values, the column holds {field.shape[0]}")  # type: ignore[arg-type]
+        if field.shape is not None and len(value) != field.shape[0]:
+            raise ValueError(f"{cell!r} has {len(value)} values, the column holds {field.shape[0]}")
         return value
     if field.kind == "json":
         value = _json_cell(cell) if isinstance(cell, str) and text else cell

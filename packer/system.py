@@ -15,7 +15,10 @@ import time
 from collections.abc import Iterable
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from types import ModuleType
 
+fcntl: ModuleType | None
+msvcrt: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows

@@ -69,7 +69,7 @@ def resident_bytes(path: str | os.PathLike) -> tuple[int, int] | None:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(addr, size, vec) != 0:
                 return None
-            resident = int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
+            resident = int(np.count_nonzero(np.frombuffer(memoryview(vec), dtype=np.uint8) & 1))
         finally:
             libc.munmap(addr, size)
     finally:

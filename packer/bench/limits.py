@@ -225,7 +225,7 @@ def add_ceilings(rows: list[dict], targets: list[Target], limits: dict[str, Any]
         row["cpu_ceiling_samples_per_s"] = cpu
         row["disk_ceiling_samples_per_s"] = disk_rate
         if candidates:
-            row["ceiling_kind"] = min(candidates, key=candidates.get)
+            row["ceiling_kind"] = min(candidates, key=candidates.__getitem__)
             row["ceiling_samples_per_s"] = candidates[row["ceiling_kind"]]
             row["fraction_of_ceiling"] = row["samples_per_s"] / row["ceiling_samples_per_s"]
         else:

@@ -19,8 +19,9 @@ def _epoch(loader) -> int:
     return sum(len(labels) for _, labels in loader)
 
 
-def bench_url(url: str, batch_size: int = 64, workers: int = 0, resize: int | None = 256,
-              center_crop: int | None = 224, storage_options: dict | None = None) -> list[dict[str, Any]]:
+def bench_url(url: str, batch_size: int = 64, workers: int = 0, resize: int | tuple[int, int] | None = 256,
+              center_crop: int | tuple[int, int] | None = 224,
+              storage_options: dict | None = None) -> list[dict[str, Any]]:
     """Rows ``{"run", "samples", "seconds", "samples_per_s", "bytes", "requests"}`` for the cold epoch, the warm
     epoch, and two epochs of the same cached files opened as a local dataset.
 

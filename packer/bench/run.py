@@ -95,7 +95,7 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
     work_parent = Path(work) if work else Path(out) if out else Path(tempfile.gettempdir())
     work_parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="packer-bench-", dir=work_parent))
-    load = {"start": load_average(), "end": None, "usable_cores": usable_cores()}
+    load: dict[str, Any] = {"start": load_average(), "end": None, "usable_cores": usable_cores()}
     if log is not None:
         log(f"load average at the start (1, 5, 15 min): {load_text(load['start'])}, on {load['usable_cores']} "
             "usable cores")
@@ -121,7 +121,7 @@ def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     folder = folder_target(src, settings["read_resize"], settings["read_crop"])
     if packed:
         targets = [packed_target(Path(p), settings["read_resize"], settings["read_crop"]) for p in packed]
-        conversions = [existing_conversion(t, folder.bytes_on_disk) for t in targets]
+        conversions: list[dict[str, Any] | None] = [existing_conversion(t, folder.bytes_on_disk) for t in targets]
     else:
         targets = [pack_target(src, work, fmt, v, folder.bytes_on_disk, settings["read_resize"],
                                settings["read_crop"], progress) for v in variants for fmt in settings["formats"]]

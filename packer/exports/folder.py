@@ -181,6 +181,7 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
 def _cell(field: Field, value: object) -> str:
     """A decoded field value as the table's text: what the table source reads back as the same value."""
     if field.kind == "text":
+        assert isinstance(value, str)  # a text field decodes to its str
         return value
     if field.kind == "json":
         return json.dumps(value, sort_keys=True, ensure_ascii=False)

@@ -36,7 +36,9 @@ def _hf_feature(datasets, field: Field, source: dict) -> Any:
     return datasets.Value("string")
 
 
-def _features(datasets, reader, source: dict):
+def _features(datasets, reader):
+    recorded = reader.manifest.get("source")  # what the dataset was packed from
+    source = recorded if isinstance(recorded, dict) else {}
     schema = reader.schema
     label = label_field(schema)
     image = source.get("image_column") if source.get("kind") == "hf" else None
@@ -53,8 +55,7 @@ def _rows(root: str, digest: str):
     (``digest``, the manifest's, makes the cache entry change with the dataset)."""
     datasets = import_datasets()
     reader = open_reader(root)
-    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
-    features = _features(datasets, reader, source)
+    features = _features(datasets, reader)
     names = list(features)
     label = label_field(reader.schema)
     extras = extra_fields(reader.schema)
@@ -107,8 +108,7 @@ def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
     if reader.spec.normalize:
         raise PackerError(f"{dest}: stores normalized {reader.spec.dtype} arrays, which are not images; to_hf needs "
                           "a dataset of pixels or encoded images")
-    source = reader.manifest.get("source") if isinstance(reader.manifest.get("source"), dict) else {}
-    features = _features(datasets, reader, source)
+    features = _features(datasets, reader)
     digest = hashlib.sha256(json.dumps(reader.manifest, sort_keys=True, default=str).encode()).hexdigest()
     return datasets.Dataset.from_generator(_rows, features=features, gen_kwargs={"root": str(root), "digest": digest},
                                            cache_dir=None if cache_dir is None else str(cache_dir),

@@ -24,6 +24,7 @@ import stat
 import threading
 import zlib
 from dataclasses import asdict, dataclass, field
+from typing import overload
 
 import numpy as np
 import simplejpeg
@@ -134,7 +135,7 @@ class Encoded:
     crc32: int = field(default=0)
 
 
-def parse_size(text: str | int | None) -> int | Size | None:
+def parse_size(text: str | int | Size | None) -> int | Size | None:
     """``"256"`` -> 256; ``"320x240"`` -> (320, 240) as (width, height)."""
     if text is None:
         return None
@@ -144,8 +145,13 @@ def parse_size(text: str | int | None) -> int | Size | None:
             raise UsageError(f"{text} is not a size: give a positive N, or WxH such as 320x240")
         return text
     text = str(text).lower().strip()
+    size: int | Size | None
     try:
-        size = tuple(int(v) for v in text.split("x", 1)) if "x" in text else int(text)
+        if "x" in text:
+            width, height = text.split("x", 1)
+            size = (int(width), int(height))
+        else:
+            size = int(text)
     except ValueError:
         size = None
     if size is None or min(size if isinstance(size, tuple) else (size,)) < 1:
@@ -153,6 +159,10 @@ def parse_size(text: str | int | None) -> int | Size | None:
     return size
 
 
+@overload
+def as_pair(size: int | tuple[int, int]) -> tuple[int, int]: ...
+@overload
+def as_pair(size: None) -> None: ...
 def as_pair(size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     """A size given as one int ``n`` (a square) as ``(n, n)``; a pair (or None) as it is."""
     return (size, size) if isinstance(size, int) else size
@@ -327,6 +337,7 @@ def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
             arr = simplejpeg.decode_jpeg(data, colorspace="GRAY" if mode == "L" else "RGB",
                                          buffer=out if direct else None)
             if direct:
+                assert out is not None  # direct is only ever true with an out
                 return out
             arr = arr.reshape(h, w, channels)
         except ValueError as exc:
@@ -380,7 +391,7 @@ def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:
     if spec.store == "original":
         pixels = decode(data, spec.mode, name, spec.max_pixels)  # proves the file decodes; the bytes stay as they are
         fmt = _open_checked(data, name, spec.max_pixels).format
-        ext = EXTENSION_BY_FORMAT.get(fmt, name.rsplit(".", 1)[-1].lower())
+        ext = EXTENSION_BY_FORMAT.get(fmt or "", name.rsplit(".", 1)[-1].lower())  # fmt None: Pillow could not say
         return Encoded(data, ext, pixels.shape, zlib.crc32(data))
     img = open_image(data, name, spec.max_pixels)
     if spec.exif_transpose:

@@ -38,7 +38,7 @@ CHUNK = 16
 def _convert_items(reader: SampleReader, items: list[tuple[int, int]], spec: TransformSpec) -> list[tuple]:
     """Convert ``(position, source index)`` items; returns ``(position, relpath, label, Encoded or error,
     extras)``."""
-    out = []
+    out: list[tuple] = []
     for position, index in items:
         try:
             relpath, label, encoded, extras = reader.convert(index, spec)
@@ -86,6 +86,7 @@ def _parent_fds(pool: ProcessPoolExecutor) -> list[int]:
 
 def _convert_chunk(args: tuple[list[tuple[int, int]], TransformSpec]) -> list[tuple]:
     items, spec = args
+    assert _READER is not None  # set in each worker process before it takes a chunk
     return _convert_items(_READER, items, spec)
 
 

@@ -78,7 +78,7 @@ def _unexpected_in(folder: Path, own: tuple[str, ...], parts: bool, prefix: str 
 def dataset_problems(dest: Path) -> list[str]:
     """Why the non-empty folder ``dest`` is not a packer dataset that ``--overwrite`` may replace; [] if it is."""
     found = []
-    own = (MANIFEST + ".tmp", JOURNAL + ".tmp", TUNED, TUNED + ".tmp")
+    own: tuple[str, ...] = (MANIFEST + ".tmp", JOURNAL + ".tmp", TUNED, TUNED + ".tmp")
     if _is_packer_manifest(dest / MANIFEST):
         own += (MANIFEST,)
     elif os.path.lexists(dest / MANIFEST):

@@ -103,7 +103,7 @@ def discard(folder: Path, created: bool) -> None:
 
 
 # What to do about a failed write, by errno; LMDB reports every failed write as EIO, hence the broad default.
-_WRITE_ADVICE = {
+_WRITE_ADVICE: dict[int | None, str] = {  # by OSError.errno, which may be None
     errno.ENOSPC: "free space",
     errno.EDQUOT: "free space or raise your disk quota",
     errno.EFBIG: "a file outgrew the file-size limit (ulimit -f) or the file system's largest file; lift the limit "

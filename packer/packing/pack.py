@@ -69,8 +69,9 @@ def pack(src: str | os.PathLike | Any, dest: str | os.PathLike, format: str = "l
     return pack_folder(src, Path(dest), opts)
 
 
-pack.__doc__ = pack.__doc__.replace("{options}", args_doc())
-pack.__signature__ = inspect.signature(pack).replace(parameters=[
+pack.__doc__ = (pack.__doc__ or "").replace("{options}", args_doc())  # None: docstrings stripped (python -OO)
+# inspect.signature reads a function's __signature__, which typeshed does not declare on functions
+pack.__signature__ = inspect.signature(pack).replace(parameters=[  # type: ignore[attr-defined]
     *list(inspect.signature(pack).parameters.values())[:5], *signature_parameters()])
 
 

@@ -9,6 +9,7 @@ the sha256 recorded when the file was last sent)."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from ..manifest import JOURNAL, MANIFEST
 from ..remote.cache import Cache
 from ..remote.fetch import retrying
 from ..remote.fs import filesystem
-from ..remote.url import RemoteUrl, parse_url
+from ..remote.url import RemoteUrl, remote_url
 from .coordinator import TIMEOUT_ENV, Coordinator, detect
 from .dest import PART, PART_DIR
 from .driver import pack_folder
@@ -82,7 +83,7 @@ def upload(staging: Path, manifest: dict, remote: RemoteUrl, storage_options: di
         local, url = staging / entry["path"], remote.join(entry["path"])
         if resume and _already_uploaded(local, entry, existing.get(entry["path"]), sent):
             continue
-        retrying(lambda local=local, url=url: fs.put_file(str(local), url), url, "write")
+        retrying(functools.partial(fs.put_file, str(local), url), url, "write")
         sent[entry["path"]] = entry["sha256"]
         journal.write_text(json.dumps(sent))
         count += 1
@@ -149,7 +150,7 @@ def pack_to_url(src: str | os.PathLike | Any, dest: str, format: str = "lmdb", *
         DestinationError: ``dest`` already holds a dataset (without ``overwrite``/``resume``), or files of an
             interrupted upload (without ``resume``/``overwrite``).
     """
-    remote = parse_url(dest)
+    remote = remote_url(dest)
     if remote.protocol in READ_ONLY:
         raise UrlError(f"{dest}: {remote.protocol}:// is read-only for packer; pack to s3://, gs:// or a folder, "
                        "and serve that over HTTP")
@@ -204,9 +205,9 @@ def _pack_and_upload(src: str | os.PathLike | Any, dest: str, remote: RemoteUrl,
         _wait_for_ranks(remote, storage_options, context.world, token, float(os.environ.get(TIMEOUT_ENV, 1800)))
         upload(staging, manifest, remote, storage_options, resume, files=[])
         for url in [_done_url(remote, r) for r in range(1, context.world)]:
-            retrying(lambda url=url: fs.rm_file(url), url, "delete")
+            retrying(functools.partial(fs.rm_file, url), url, "delete")
     for url in [remote.join(path) for path in _stale(existing, manifest)]:  # after the new manifest: unread now
-        retrying(lambda url=url: fs.rm_file(url), url, "delete")
+        retrying(functools.partial(fs.rm_file, url), url, "delete")
     shutil.rmtree(staging, ignore_errors=True)
     return manifest
 

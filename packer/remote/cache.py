@@ -289,6 +289,7 @@ class Cache:
         return sum(size for _, size, _ in self.entries())
 
     def _make_room(self, size: int) -> None:
+        assert self.limit is not None  # called only for a bounded cache
         if size > self.limit:  # no eviction can make room: not worth waiting for (not a CacheFull)
             raise RemoteError(f"{self.root}: cannot fit an object of {size:,} bytes within cache_limit "
                               f"{self.limit:,}; raise cache_limit above the dataset's largest file")

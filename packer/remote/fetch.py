@@ -3,6 +3,7 @@ against the size and sha256 its manifest records."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -123,7 +124,7 @@ def download(fs: Any, url: str, target: Path, size: int, sha256: str) -> None:
         with open(target, "r+b" if target.exists() else "wb") as f:
             for start in range(0, size, CHUNK):
                 end = min(start + CHUNK, size)
-                data = retrying(lambda s=start, e=end: _cat(fs, url, s, e), url)
+                data = retrying(functools.partial(_cat, fs, url, start, end), url)
                 digest.update(data)
                 f.write(data)
                 got += len(data)

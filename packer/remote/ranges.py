@@ -174,6 +174,7 @@ class RemoteBlocks:
         with contextlib.suppress(FileNotFoundError):  # cached (by the fetch-ahead, mostly): mapped without a pin,
             return _mapped(self.cache.object_path(range_name(entry["sha256"], start, end, int(entry["bytes"]))))
         pin = self._pin(relpath, start, end, True)  # which keeps it from eviction only until it is mapped
+        assert pin is not None  # waiting for room returns a pin or raises
         try:
             return _mapped(pin.path)
         except OSError as exc:

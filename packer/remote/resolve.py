@@ -24,7 +24,7 @@ from ..manifest import MANIFEST, max_manifest_bytes, parse_manifest
 from .cache import Cache, Pin, when_room
 from .fetch import download, read_bytes
 from .fs import filesystem
-from .url import RemoteUrl, parse_url
+from .url import RemoteUrl, remote_url
 
 FETCH_THREADS = 8
 _HELD: dict[Path, list[Pin]] = {}  # view -> the pins that keep its files cached while this process reads them
@@ -52,7 +52,7 @@ def remote_manifest(remote: RemoteUrl, storage_options: dict | None = None) -> t
 
 def read_remote_manifest(url: str, storage_options: dict | None = None) -> dict:
     """The manifest of the dataset at ``url`` (nothing else is fetched)."""
-    return remote_manifest(parse_url(url), storage_options)[0]
+    return remote_manifest(remote_url(url), storage_options)[0]
 
 
 def _link(view: Path, relpath: str, target: Path) -> None:
@@ -99,7 +99,7 @@ def resolve(url: str, storage_options: dict | None = None, cache_dir: str | os.P
     Returns:
         the folder (``manifest.json`` and links to the cached files) the local readers open.
     """
-    remote = parse_url(url)
+    remote = remote_url(url)
     return resolve_fetched(remote, *remote_manifest(remote, storage_options), storage_options,
                            Cache(cache_dir, cache_limit), damaged)
 
@@ -191,7 +191,7 @@ class RemoteFile:
 def remote_files(url: str, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
                  cache_limit: int | str | None = None, cached: bool = True) -> tuple[dict, dict[str, RemoteFile]]:
     """The manifest at ``url`` and a :class:`RemoteFile` for each of its data files, by relative path."""
-    remote = parse_url(url)
+    remote = remote_url(url)
     manifest, _ = remote_manifest(remote, storage_options)
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
     return manifest, {e["path"]: RemoteFile(remote, e, storage_options, cache_dir, cache_limit, cached)

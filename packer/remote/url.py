@@ -57,6 +57,13 @@ def parse_url(text: str | os.PathLike) -> RemoteUrl | None:
     return RemoteUrl(scheme, f"{scheme}://{rest.rstrip('/')}")
 
 
+def remote_url(text: str | os.PathLike) -> RemoteUrl:
+    """The :class:`RemoteUrl` of ``text``, which the caller (past an entry point's :func:`parse_url`) knows is one."""
+    remote = parse_url(text)
+    assert remote is not None, text  # an entry point sends only URLs this way, never a local path
+    return remote
+
+
 def is_url(text: str | os.PathLike) -> bool:
     """Whether ``text`` is a remote URL (see :func:`parse_url`, whose errors it raises)."""
     return parse_url(text) is not None

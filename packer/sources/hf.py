@@ -275,7 +275,8 @@ class HfSource(Source):
             schema.append(field)
             self.columns[column] = column
         self.schema = schema
-        present = np.bincount(labels[labels >= 0], minlength=len(classes)) if label is not None else []
+        present: np.ndarray | list[int] = (np.bincount(labels[labels >= 0], minlength=len(classes))
+                                           if label is not None else [])
         self.empty_classes = [c for c, n in zip(classes, present, strict=False) if n == 0]
         used = [image, *([label] if label else []), *self.columns]
         self.dataset = dataset.select_columns(used)

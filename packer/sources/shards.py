@@ -35,7 +35,7 @@ class ShardsSource(Source):
             warn(f"{paths[0]}: no sample has a .cls member, so the samples get no class; pass --label-key "
                  "(txt, json:FIELD...) to take one from another member")
         self.pattern = pattern
-        present = reader.class_counts() if self.classes else []
+        present: np.ndarray | list[int] = reader.class_counts() if self.classes else []
         self.empty_classes = [c for c, n in zip(self.classes, present, strict=False) if n == 0]
 
     def sizes(self) -> np.ndarray:

@@ -101,13 +101,13 @@ class TableReader(SampleReader):
         return relpath, int(self.labels[index]), encoded, extras
 
     def _extra(self, field: Field, cell: bytes | str, spec: TransformSpec, path: str, relpath: str) -> bytes:
+        if isinstance(cell, bytes):  # numbers, text and JSON: encoded by the scan (images and masks are paths)
+            return cell
         if field.kind == "mask":
-            return convert_mask(os.path.join(self.root, cell), str(cell), spec, field.pixels or "uint8",
+            return convert_mask(os.path.join(self.root, cell), cell, spec, field.pixels or "uint8",
                                 _size(path, relpath))
-        if field.kind == "image":
-            side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
-            return convert_file(os.path.join(self.root, cell), str(cell), side).payload
-        return cell  # type: ignore[return-value]  # numbers, text and JSON: encoded by the scan
+        side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
+        return convert_file(os.path.join(self.root, cell), cell, side).payload
 
     def name(self, index: int) -> str:
         return self.paths[index]
