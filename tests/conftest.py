@@ -142,7 +142,7 @@ _MARKS_BY_MODULE = {
     "test_distributed": ("distributed",), "test_distributed_pack": ("distributed",),
     "test_parts_blocks": ("distributed", "remote"),  # packs by torchrun, then reads from a server
     "test_remote": ("remote",), "test_blocked_remote": ("remote",), "test_presigned": ("remote",),
-    "test_bench": ("slow",), "test_orphans": ("slow",), "test_untrusted": ("slow",),
+    "test_bench": ("slow",), "test_orphans": ("slow",), "test_untrusted": ("slow", "remote"),
     "test_resume_loader": ("slow", "distributed"),
 }
 

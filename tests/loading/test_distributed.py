@@ -89,7 +89,7 @@ def test_ranks_split_the_data_and_reshuffle_each_epoch(dist_run, reference_scan,
 def test_augmented_batches_under_torchrun_are_one_process_outputs(dist_run, fmt):
     """Under 2 ranks, every augmented image is what one process gives for (seed, epoch, index): the crop and flip
     depend on nothing else, so the batches are the same on every rank count; epochs differ."""
-    from dist_worker import digest
+    from workers.dist_worker import digest
 
     from packer.loading.sampler import EpochIndex
 

@@ -546,6 +546,7 @@ def test_bench_a_url_counts_what_each_epoch_fetches(http_packs, local_packs, run
     assert rows["local files, page cache dropped"][2:] == rows["local files, second epoch"][2:] == ["0", "0"]
 
 
+@pytest.mark.distributed
 def test_torchrun_pack_to_s3_each_rank_uploads_its_part(s3, remote_src, local_packs):
 
     url = "s3://bucket/dist/wds"
