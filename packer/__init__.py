@@ -18,7 +18,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,29 @@ _EXPORTS = {
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # the same names, for type checkers and the API reference (griffe follows them as aliases)
+    from .errors import CorruptDataError as CorruptDataError
+    from .errors import DestinationError as DestinationError
+    from .errors import ImageError as ImageError
+    from .errors import IncompleteDatasetError as IncompleteDatasetError
+    from .errors import ManifestError as ManifestError
+    from .errors import PackerError as PackerError
+    from .errors import SourceError as SourceError
+    from .exports.folder import export as export
+    from .exports.hf import to_hf as to_hf
+    from .loading.loader import make_loader as make_loader
+    from .loading.loader import to_device as to_device
+    from .loading.stream import stream as stream
+    from .packing.pack import pack as pack
+    from .reading.dataset import Hdf5Dataset as Hdf5Dataset
+    from .reading.dataset import LmdbDataset as LmdbDataset
+    from .reading.dataset import PartedDataset as PartedDataset
+    from .reading.dataset import WdsDataset as WdsDataset
+    from .reading.dataset import open_dataset as open_dataset
+    from .reading.folder import FolderDataset as FolderDataset
+    from .remote.entry import read_manifest as read_manifest
+    from .sources.folder import scan_folder as scan_folder
 
 
 def __getattr__(name: str) -> Any:

@@ -50,7 +50,7 @@ def bench_url(url: str, batch_size: int = 64, workers: int = 0, resize: int | tu
                          "requests": STATS["requests"] - before["requests"]})
             return ds, loader
 
-        options = {"resize": resize, "center_crop": center_crop}
+        options: dict[str, Any] = {"resize": resize, "center_crop": center_crop}
 
         def opened(ds) -> tuple:
             return ds, make_loader(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
