@@ -124,7 +124,7 @@ def test_environment_installs_this_checkout_for_the_tests(environment):
 
 def test_install_hints_name_the_distribution(pyproject):
     """Every `pip install 'NAME[extra]'` hint in the package and the README names this distribution, not `packer`
-    (another project on PyPI)."""
+    (another project on PyPI), and the README says its name (tests/test_docs.py: no page installs it from PyPI)."""
     name = pyproject["project"]["name"]
     assert name != "packer"
     from packer.install_hints import DIST_NAME, pip_hint
@@ -136,7 +136,7 @@ def test_install_hints_name_the_distribution(pyproject):
              for m in re.finditer(r"pip install (?:-U |--upgrade )?['\"]?([A-Za-z][\w.-]*)(?=[\[' \")]|$)", t, re.M)]
     wrong = [(f, n) for f, n in hints if n.lower() in {"packer", "packer_data"}]
     assert not wrong, f"install hints naming the wrong distribution: {wrong}"
-    assert any(n == name for _, n in hints), "the README names the distribution"
+    assert f"`{name}`" in texts[REPO / "README.md"], "the README names the distribution"
 
 
 def test_ci_lints_with_ruff():
@@ -236,6 +236,7 @@ def test_packages_import_only_the_layers_below_them():
 # Modules outside packer/remote/ that may import it: the public entry points, which resolve a URL into local files
 # (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
 REMOTE_IMPORTERS = {
+    "packer": "names packer.read_manifest for type checkers and the API reference (if TYPE_CHECKING)",
     "packer.cli": "its commands take URLs: parse_url tells them from folders, info reads a URL's manifest",
     "packer.packing.pack": "pack(): a URL SRC is fetched into the cache, a URL DEST is converted then uploaded",
     "packer.packing.upload": "uploads a finished conversion to a URL, manifest last",
