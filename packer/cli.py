@@ -102,10 +102,23 @@ def main() -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar (warnings and errors still print).")
 @handle_errors
 def pack(src, dest, quiet, **options) -> None:
-    """Convert SRC into a dataset in DEST. SRC is an image folder (SRC/<class>/**/<image>), a dataset packed by
-    packer (to change format or re-pack with a new transform), or WebDataset shards from any tool: a folder of
-    .tar files, one .tar, or a quoted glob such as 'shards/*.tar'. hf:PATH_OR_NAME is a Hugging Face dataset: a
-    save_to_disk folder (--split of a DatasetDict) or a Hub dataset already downloaded.
+    """Convert SRC into a packed dataset in DEST. SRC is any of:
+
+    \b
+    - an image folder: a sub-folder per class, holding images at any depth
+      (torchvision's ImageFolder);
+    - an annotation table: a .csv, .tsv or .jsonl file of image paths with
+      more columns (--image-column, --label-column, --root, --field);
+    - a dataset packed by packer, to change its format or re-pack it with a
+      new transform (a folder, or a URL: s3://, gs://, https://);
+    - WebDataset shards from any tool: a folder of .tar files, one .tar, or a
+      quoted glob such as 'shards/*.tar' (--label-key);
+    - hf:PATH_OR_NAME, a Hugging Face dataset: a save_to_disk folder (--split
+      of a DatasetDict), a folder of data files, or a Hub dataset already
+      downloaded.
+
+    DEST is a new or empty folder (with --overwrite, a dataset packer wrote), or
+    an s3:// or gs:// URL: converted in a local cache, then uploaded.
 
     Started by torchrun (torchrun --nproc_per_node=K -m packer pack ...), every rank converts a part; DEST must
     then be on a filesystem every node shares. One process at a time writes DEST: a second fails at once."""
@@ -216,9 +229,9 @@ def class_count_lines(dest: str, manifest: dict) -> list[str]:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
 def export(dest, out, overwrite, quiet) -> None:
-    """Write the packed dataset DEST out as an image folder OUT/<class>/...: the stored bytes (the original files
-    when stored original), raw pixels as lossless PNG. A dataset with fields: its images and OUT/annotations.csv,
-    which packs back to the same samples."""
+    """Write the packed dataset DEST out as an image folder OUT, a sub-folder per class: the stored bytes (the
+    original files when stored original), raw pixels as lossless PNG. A dataset with fields: its images and
+    OUT/annotations.csv, which packs back to the same samples."""
     from .exports.folder import export as run_export
 
     result = run_export(dest, out, overwrite=overwrite, progress=not quiet)

@@ -86,9 +86,14 @@ class PackedDataModule(pl.LightningDataModule):
         shuffle: a new random order every epoch for the training set.
         seed: the training order's and the augmentation's seed.
         drop_last: drop the last, smaller batch of each training epoch.
-        resize, center_crop: the read-time resize and centre crop of both sets (the training set's only without
-            ``random_resized_crop``); see ``packer.open_dataset``.
-        random_resized_crop, scale, ratio, flip: the training set's augmentation (see ``packer.open_dataset``).
+        resize: the read-time resize of both sets (the training set's only without ``random_resized_crop``); see
+            ``packer.open_dataset``.
+        center_crop: the read-time centre crop of both sets (the training set's only without
+            ``random_resized_crop``).
+        random_resized_crop: the training set's random resized crop: an int or ``(height, width)``.
+        scale: the random resized crop's area range, ``(min, max)``, as ``packer.open_dataset`` takes it.
+        ratio: the random resized crop's aspect-ratio range, ``(min, max)``.
+        flip: mirror half the training images left-right.
         dataset_options: more ``packer.open_dataset`` arguments, for both sets (``transform``, ``fields``,
             ``storage_options``...).
         loader_options: more ``packer.make_loader`` arguments, for both loaders (``num_workers``, ``threads``...).

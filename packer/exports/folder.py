@@ -105,9 +105,31 @@ def _write(path: Path, data: bytes | np.ndarray) -> None:
 
 def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, workers: int | None = None,
            progress: bool = True) -> dict[str, Any]:
-    """Write the packed dataset ``dest`` (any format) to the image folder ``out``; see the module docstring.
-    ``out`` must be new or empty, or an image folder (a previous export) with ``overwrite=True``. Returns
-    ``{"out", "count", "classes", "renamed"}`` (renamed: samples whose extension changed)."""
+    """Write the packed dataset ``dest`` (any format) out as the image folder ``out``.
+
+    Each sample goes to ``out/<class>/<relative path>`` as its stored bytes (the original files when stored
+    ``original``, so export then pack gives byte-identical samples; a lossless PNG of the pixels for ``raw``),
+    every class gets a folder, and ``out`` is written under a hidden name and renamed at the end, so a failed
+    export leaves none. A dataset with fields is written as a table, ``out/annotations.csv``, beside the files
+    it names (see the module docstring).
+
+    Args:
+        dest: the packed dataset, a folder or a URL (fetched into packer's cache first).
+        out: the folder to write: new or empty, or a previous export with ``overwrite``. It may not be, hold or
+            lie inside the dataset or the folder it was packed from.
+        overwrite: replace ``out`` when it is a previous export (class folders holding only image files).
+        workers: threads that write the files (default: the usable cores).
+        progress: show a progress bar on stderr.
+
+    Returns:
+        ``{"out", "count", "classes", "renamed"}`` (renamed: how many samples' extensions changed to match their
+        encoding); for a table also ``"table"`` (its path) and ``"command"`` (the ``packer pack`` command that
+        packs it back).
+
+    Raises:
+        DestinationError: ``out`` exists and is not a previous export, or is inside the dataset or its source.
+        PackerError: ``dest`` is not a packed dataset, stores normalized arrays, or has a ``bytes`` field.
+    """
     from ..remote.entry import local_dataset  # a URL is resolved here, at the entry point
 
     dest, out = Path(local_dataset(dest)), Path(out)

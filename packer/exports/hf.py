@@ -8,7 +8,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,6 +17,9 @@ from ..fields import NUMERIC, Field, decode, extra_fields, label_field
 from ..formats import open_reader
 from ..images.transforms import to_pil
 from ..sources.hf import feature_type, import_datasets
+
+if TYPE_CHECKING:  # the hf extra; imported when used
+    import datasets
 
 
 # -- reading a packed dataset back as a datasets.Dataset ------------------------------------------------------------
@@ -86,7 +89,7 @@ def _png(array: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None):
+def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
     """The packed dataset ``dest`` as a ``datasets.Dataset`` (see the module's documentation).
 
     Args:
@@ -94,8 +97,8 @@ def to_hf(dest: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
         cache_dir: the Hugging Face cache folder the rows are written to (default: datasets' own).
 
     Returns:
-        A ``datasets.Dataset``, one row per stored sample in stored order: the image (``Image()`` with the stored
-        bytes), the class (``ClassLabel``) when the dataset has one, and each field.
+        A ``datasets.Dataset`` with one row per stored sample, in stored order. Its columns are the image
+        (``Image()``, with the stored bytes), the class (``ClassLabel``) when the dataset has one, and each field.
 
     Raises:
         PackerError: ``dest`` is not a packed dataset, or stores normalized arrays (not images).

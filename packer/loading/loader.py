@@ -548,6 +548,22 @@ def to_device(loader, device: str | torch.device, normalize: tuple | None = None
               dtype: torch.dtype = torch.float32) -> DeviceLoader:
     """Wrap ``loader`` so that batches arrive on ``device``, converted and normalized there (see DeviceLoader).
 
+    On CUDA the copy of the next batch (from pinned memory, ``non_blocking=True``) and its conversion run on a
+    side stream while the current batch is used. Every tensor of a batch moves (a dict's or tuple's too); text,
+    JSON and bytes stay on the host.
+
+    Args:
+        loader (Iterable): any iterable of batches: ``(images, labels)``, a dict, or a tuple (``make_loader``'s, or
+            ``stream``'s).
+        device: where the batches go: ``"cuda"``, ``"cuda:1"``, ``"cpu"`` or a ``torch.device``.
+        normalize: ``(mean, std)``, one value per channel on the 0-1 scale (ImageNet's is ``((0.485, 0.456,
+            0.406), (0.229, 0.224, 0.225))``): images become ``dtype`` floats ``(x / 255 - mean) / std``, of the
+            dict's ``"image"`` or the tuple's first entry. None leaves the images as they are (uint8).
+        dtype: the float type of normalized images.
+
+    Returns:
+        A ``DeviceLoader``: iterate it as the loader (``len`` is the loader's).
+
     Raises:
         ValueError: (one line) ``device`` is not a device torch knows, or one this machine does not have (CUDA
             without a GPU or a CUDA build of torch).

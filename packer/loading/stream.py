@@ -290,14 +290,23 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
         drop_last: drop each rank's last partial batch (and never pad with repeated samples).
         buffer: about how many samples are mixed together: the window is as many whole shards as hold that many
             on average (at least one shard).
-        storage_options, cache_dir, cache_limit: for a URL ``root``: each shard is fetched into the cache when
-            its stream reaches it, checked, and released once read, so ``cache_limit`` (bytes or ``"10GB"``)
-            may be below the dataset's size (it must hold one shard per worker; room for a window's shards
-            fetches each once an epoch, less may fetch again the shards the workers share).
+        storage_options: for a URL ``root``, the fsspec filesystem's options (credentials, endpoint).
+        cache_dir: for a URL ``root``, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).
+        cache_limit: for a URL ``root``, the most bytes the cache keeps (an int or ``"10GB"``): each shard is
+            fetched into the cache when its stream reaches it, checked, and released once read, so it may be
+            below the dataset's size (it must hold one shard per worker; room for a window's shards fetches
+            each once an epoch, less may fetch again the shards the workers share).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
         fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
-        resize, center_crop, interpolation, decoder, random_resized_crop, scale, ratio, flip: as
-            :func:`packer.open_dataset` takes them.
+        resize: a read-time resize, as :func:`packer.open_dataset` takes it (N: the shorter side; ``"WxH"``).
+        center_crop: a read-time centre crop after the resize (N or ``"WxH"``).
+        interpolation: the resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
+        decoder: ``"auto"``, ``"fast"`` or ``"pil"``, as :func:`packer.open_dataset` takes it.
+        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
+            decoding, its window drawn from ``(seed, epoch, index)``; replaces ``resize``/``center_crop``.
+        scale: the crop's area as a fraction of the image's, ``(min, max)``.
+        ratio: the crop's width / height, ``(min, max)``.
+        flip: mirror left-right with probability 0.5.
 
     Raises:
         ValueError: (one line) an argument of the wrong type or range, naming it.

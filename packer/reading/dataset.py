@@ -64,18 +64,18 @@ class PackedDataset(Dataset):
         threads: threads that decode one batch in ``__getitems__`` (default 1). :func:`packer.make_loader`
             passes its own to each batch read (:meth:`read_batch`) instead. Decoding releases the GIL.
         manifest: the manifest, when the caller has read it already.
-        resize, center_crop, interpolation: a read-time resize and crop, with the same semantics as the
-            offline ones (``resize=256, center_crop=224``); cheaper than an equivalent ``transform``.
-        decoder: ``"auto"`` (simplejpeg for JPEG, Pillow otherwise; a read-time resize and crop resample only
-            the cropped region; a random resized crop decodes JPEGs at a reduced DCT scale and resamples with
-            OpenCV, within 30 dB of Pillow), ``"fast"`` (as auto, and the read-time resize and crop also
-            resample with OpenCV, from a JPEG decoded at a reduced DCT scale where it is over twice the resized
-            size: faster than auto's validation reads from ``original`` stores, within 30 dB of its pixels;
-            docs/measurements.md has the figures) or
-            ``"pil"`` (Pillow for everything, resize then crop: torchvision's pipeline, exactly).
-        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
-            decoding, with ``scale`` and ``ratio`` as there. The window depends only on ``(seed, epoch, index)``
-            (see :meth:`augment_params`); it replaces ``resize``/``center_crop``.
+        resize: a read-time resize as the offline one (N: the shorter side; ``"WxH"``), cheaper than a transform.
+        center_crop: a read-time centre crop after the resize (N or ``"WxH"``), as the offline one.
+        interpolation: the read-time resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
+        decoder: ``"auto"`` (simplejpeg for JPEG, else Pillow; a read-time crop resamples only the kept region, a
+            random resized crop decodes JPEGs at a reduced DCT scale and resamples with OpenCV), ``"fast"`` (faster
+            from ``original`` stores: also the read-time resize and crop so, where the JPEG is over twice the resized
+            size; docs/benchmarks.md has the figures) or ``"pil"`` (Pillow for everything: torchvision's pipeline,
+            exactly); ``auto`` and ``fast`` within 30 dB PSNR of ``pil``.
+        random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into decoding,
+            its window a function of ``(seed, epoch, index)`` (:meth:`augment_params`); replaces the resize and crop.
+        scale: the crop's area as a fraction of the image's, ``(min, max)``, as torchvision's.
+        ratio: the crop's width / height, ``(min, max)``, as torchvision's.
         flip: mirror left-right with probability 0.5, drawn from the same ``(seed, epoch, index)`` stream.
         seed: the augmentation seed (not the sample order's: that is the sampler's).
         fields: the fields to give, by name, as a tuple in that order (``("image", "caption")``); default:
@@ -540,14 +540,14 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     here: a bad one is a one-line ``ValueError`` naming it, never a failure at the first read.
 
     Args:
-        root: the dataset folder, or its URL (``s3://bucket/ds``, ``gs://...``, ``https://...``): fetched into
-            the local cache and read from there.
+        root: the dataset folder, or its URL (``s3://bucket/ds``, ``gs://``, ``https://``), read from the cache.
         transform: a callable applied to each CHW image tensor (torchvision v2 transforms work).
         target_transform: a callable applied to each label.
         decode: False returns the stored bytes (encoded stores) or array (raw) untouched.
         verify: check each sample's crc32 on read (a mismatch is a ``CorruptDataError``).
         threads: threads that decode one batch (``make_loader`` passes its own).
-        resize, center_crop: a read-time resize (N: the shorter side; ``"WxH"``) and centre crop.
+        resize: a read-time resize: N sets the shorter side to N (aspect kept), ``"WxH"`` an exact size.
+        center_crop: a read-time centre crop after the resize: N or ``"WxH"``.
         interpolation: the resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
         decoder: ``"auto"``, ``"fast"`` or ``"pil"`` (see :class:`PackedDataset`).
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into

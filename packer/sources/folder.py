@@ -71,7 +71,20 @@ def find_classes(root: Path, include_hidden: bool = False) -> tuple[list[str], i
 
 
 def scan_folder(root: str | os.PathLike, include_hidden: bool = False) -> ScanResult:
-    """Scan ``root`` as ImageFolder does; raise :class:`SourceError` if it is missing or holds no image."""
+    """Scan ``root`` as torchvision's ``ImageFolder(root, allow_empty=True)`` does: the same classes,
+    ``class_to_idx`` and (file, label) pairs, in the same order.
+
+    Args:
+        root: the image folder, ``root/<class>/**/<image>``.
+        include_hidden: keep files and folders whose names start with ``.`` (skipped and counted by default).
+
+    Returns:
+        A ``ScanResult``: ``root``, ``classes``, ``class_to_idx``, ``samples`` (relative path with ``/``
+        separators, label), ``hidden_skipped``, ``empty_classes`` and ``errors`` (unreadable entries).
+
+    Raises:
+        SourceError: ``root`` is missing, is not a folder, or holds no class folder or no image.
+    """
     root = Path(root)
     if not root.exists():
         raise SourceError(f"{root}: source folder does not exist; pass the folder that holds one sub-folder per class")
