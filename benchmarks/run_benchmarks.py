@@ -11,11 +11,11 @@ Makes (or reuses) an ImageFolder of real-photo JPEGs with ``scripts/make_sample_
 each for lmdb, hdf5 and wds, against ``FolderDataset(decoder="pil", resize=256, center_crop=224)`` (torchvision
 ImageFolder + Resize(256) + CenterCrop(224)), with a warm and a cold page cache, and each encoded mode's fraction
 of its decode ceiling. Results (json, md, txt, png) go to ``--out``; ``--update-readme`` rewrites the part of
-README.md between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+docs/benchmarks.md between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 
     python benchmarks/run_benchmarks.py                        # 3000 images into bench-out/
     python benchmarks/run_benchmarks.py --images 300 --out /tmp/b
-    python benchmarks/run_benchmarks.py --update-readme        # measure, then rewrite the README section
+    python benchmarks/run_benchmarks.py --update-readme        # measure, then rewrite the docs section
     python benchmarks/run_benchmarks.py --readme-only          # rewrite it from bench-out/results.json
 """
 
@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-test-mb", type=int, default=512, help="file read to measure the disk (default 512)")
     ap.add_argument("--keep", action="store_true", help="keep the packed datasets")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    ap.add_argument("--update-readme", action="store_true", help="rewrite README.md's results section")
+    ap.add_argument("--update-readme", action="store_true", help="rewrite docs/benchmarks.md's results section")
     ap.add_argument("--readme-only", action="store_true", help="only rewrite it, from OUT/results.json")
-    ap.add_argument("--readme", default=str(REPO / "README.md"), help="the README to update")
+    ap.add_argument("--readme", default=str(REPO / "docs" / "benchmarks.md"), help="the page to update")
     args = ap.parse_args(argv)
     command = shlex.join(["python", "benchmarks/run_benchmarks.py", *(argv if argv is not None else sys.argv[1:])])
     if args.readme_only:

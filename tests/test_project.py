@@ -382,7 +382,7 @@ def test_one_resume_implementation():
     assert {"sampler.py", "stream.py", "loader.py"} <= set(loaders)
 
 
-# A measured figure in a comment or docstring goes stale silently: figures live in docs/measurements.md and the
+# A measured figure in a comment or docstring goes stale silently: figures live in docs/benchmarks.md and the
 # benchmarks, with their machine and command; the code says why in words and points there.
 FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:ms|us|µs|img/s|MB/s|GB/s)\b|\b\d+(?:\.\d+)?x (?:faster|slower|the|auto)\b")
 
@@ -407,4 +407,4 @@ def test_no_measured_figure_in_code_comments_or_docstrings():
     found = [f"{path.relative_to(REPO)}:{line}: {FIGURE.search(text).group(0)}"
              for path in sorted((REPO / "packer").rglob("*.py"))
              for line, text in comments_and_docstrings(path.read_text(encoding="utf-8")) if FIGURE.search(text)]
-    assert found == [], "move the figure to docs/measurements.md (with its command) and say why in words"
+    assert found == [], "move the figure to docs/benchmarks.md (with its command) and say why in words"

@@ -356,13 +356,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-apt", dest="apt", action="store_false", help="never run apt-get (FFCV's build deps)")
     p.add_argument("--reinstall", action="store_true", help="rebuild the peer venvs even if their recipe holds")
     p.add_argument("--keep-packed", action="store_true", help="keep each peer's packed copies in OUT/work")
-    p.add_argument("--update-readme", action="store_true", help="write the table into README.md's peers section")
+    p.add_argument("--update-readme", action="store_true",
+                   help="write the table into docs/benchmarks.md's peers section")
     p.add_argument("--force", action="store_true",
                    help="let --update-readme write a run that is not publishable (load average over the cores)")
     p.add_argument("--settle", type=float, default=120,
                    help="seconds to wait, at the start and at the end, for the load average to fall to the core "
                         "count (default 120)")
-    p.add_argument("--readme", type=Path, default=REPO / "README.md", help="the README --update-readme writes")
+    p.add_argument("--readme", type=Path, default=REPO / "docs" / "benchmarks.md",
+                   help="the page --update-readme writes")
     p.add_argument("--from-results", type=Path, metavar="JSON",
                    help="measure nothing: redo results.md, the chart (and the README with --update-readme) from "
                         "an earlier results.json")

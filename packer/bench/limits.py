@@ -176,7 +176,7 @@ def interleaved_ceiling(limits: dict[str, Any], target: Target) -> Iterator[Call
 
     Why interleaved, and the median: on a shared host the cores' speed itself varies, by tens of percent between
     the 10th and the 90th percentile of one decode loop even with the load average under 1
-    (docs/measurements.md). The ceiling was the best of three rounds taken at the start of a 15-minute run:
+    (docs/benchmarks.md). The ceiling was the best of three rounds taken at the start of a 15-minute run:
     near the top of that spread and minutes away from the rows, each of which is a median of runs. Taken
     between the runs, as a median, the ceiling sees the host as the rows do."""
     key = ceiling_key(target)

@@ -10,12 +10,12 @@ torchvision's ``resized_crop`` does to a PIL image, at a fraction of its cost. W
   interpolate the same samples.
 - ``s >= 2``: a bilinear pass to ``2**j`` times the output (``2**j <= s``), then ``j`` halvings by 2 x 2 pixel
   averages (``INTER_AREA`` at exactly 2, OpenCV's vectorised case). OpenCV's own area filter at any other factor
-  was as slow as Pillow, and bilinear alone aliases (docs/measurements.md, "Augmentation and resampling").
+  was as slow as Pillow, and bilinear alone aliases (docs/benchmarks.md, "Augmentation and resampling").
 
 Both leave the output sharper than Pillow's (its triangle is wider than a bilinear tap or a 2 x 2 average): on
 every axis shrunk by ``SOFTEN_FROM`` or more, a 3-tap blur ``SOFTEN`` at the output's size adds what is missing
 (a triangle of width ``s`` has twice the variance of a box of width ``s``); what it gains, what it costs and the
-fast path's worst windows are in docs/measurements.md.
+fast path's worst windows are in docs/benchmarks.md.
 
 A region with fractional bounds (a window in an image decoded at a reduced DCT scale) goes through
 ``warpAffine``, which maps the output grid onto the exact fractional box; rounding the box to whole pixels
@@ -34,7 +34,7 @@ import numpy as np
 # process-wide, so it also applies to the user's own OpenCV calls in this process.
 cv2.setNumThreads(1)
 
-SOFTEN_FROM = 1.4  # below it the bilinear pass alone is already close to Pillow (docs/measurements.md)
+SOFTEN_FROM = 1.4  # below it the bilinear pass alone is already close to Pillow (docs/benchmarks.md)
 SOFTEN = np.array([0.0625, 0.875, 0.0625], np.float32)
 _KEEP = np.array([0.0, 1.0, 0.0], np.float32)
 

@@ -327,7 +327,7 @@ def decode(data: bytes | memoryview, mode: str = "RGB", name: str = "<image>",
            max_pixels: int = DEFAULT_MAX_PIXELS, out: np.ndarray | None = None) -> np.ndarray:
     """Decode encoded image bytes to a uint8 (H, W, C) array, as ImageFolder's loader would. With ``out``
     (an array of the image's shape) the pixels are written there, JPEGs without an intermediate copy."""
-    size = jpeg_size(data)  # the header parsed once, a small part of the decode (docs/measurements.md)
+    size = jpeg_size(data)  # the header parsed once, a small part of the decode (docs/benchmarks.md)
     if size is not None:
         try:
             h, w = size

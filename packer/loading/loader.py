@@ -10,7 +10,7 @@ reason for each choice) and logs it at INFO on the ``packer.loading.loader`` log
   set, capped by a cgroup CPU quota and SLURM_CPUS_PER_TASK), each decoding whole batches into shared memory the main
   process owns (:mod:`packer.loading.workers`): only the labels cross between processes. Threads in the main process
   share one GIL, with each other and with the training loop, so they reach less of the decode ceiling than worker
-  processes do, and torch's own workers, which allocate and send every batch, reach least (docs/measurements.md,
+  processes do, and torch's own workers, which allocate and send every batch, reach least (docs/benchmarks.md,
   "Loader"; ``packer bench`` measures it on your machine). Other packer datasets decode in the main process on one
   thread per core, in a background thread ``prefetch_batches`` ahead (``num_workers=0`` asks for that); so do all of
   them on one core, where processes do not fork (spawn and forkserver re-import a script's main module, which must then

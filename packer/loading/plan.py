@@ -13,7 +13,7 @@ The three engines:
   where the pool would not serve them by default (one core, processes that do not fork, a small /dev/shm).
 - ``"torch"``: torch's own DataLoader workers: other datasets, and packer's that the pool cannot serve.
 
-Why each default is what it is: docs/measurements.md, "Loader"; ``packer bench`` measures it on your machine.
+Why each default is what it is: docs/benchmarks.md, "Loader"; ``packer bench`` measures it on your machine.
 The settings ``packer bench --tune`` saved beside a dataset (``loader.json``) come in as ``tuned``
 (:mod:`packer.loading.tuned`); an explicit argument always wins over them.
 """

@@ -2,7 +2,7 @@
 packer's datasets.
 
 torch's DataLoader workers allocate every batch afresh in shared memory and send it through a queue, a hand-off that
-held two workers far below the decode ceiling (docs/measurements.md, "Loader"). Here the main process owns the batch
+held two workers far below the decode ceiling (docs/benchmarks.md, "Loader"). Here the main process owns the batch
 memory: slots in shared memory, each sent to a worker once. A worker decodes a batch into the slot it is given and
 answers with the labels, and the loader hands out a view of the slot. A slot is written again only once no tensor in
 the main process refers to it (the rule of :class:`~packer.reading.buffers.BatchPool`), so batches a training loop

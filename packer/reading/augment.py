@@ -32,7 +32,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 TRIES = 10  # torchvision's RandomResizedCrop.get_params
 # DCT-scaled decodes keep the region at least MARGIN times the output, so that the bilinear resample after them
 # still does the antialiasing: with 1 (the smallest scale that covers the output) small crops fell well below
-# the 30 dB the fast path promises (docs/measurements.md, "Augmentation"). The cost is one scale step less.
+# the 30 dB the fast path promises (docs/benchmarks.md, "Augmentation"). The cost is one scale step less.
 MARGIN = 2
 
 
@@ -131,7 +131,7 @@ def scaled_jpeg(payload: bytes | memoryview, mode: str, full: tuple[int, int], m
     """Decode a JPEG of ``full`` (height, width) at the smallest DCT scale among 1, 1/2, 1/4 and 1/8 whose image
     is at least ``min_height`` x ``min_width``: libjpeg-turbo skips most of the inverse DCT work at those.
     The other M/8 scales libjpeg-turbo offers are left out: they are slower than 1/2 and resample less well
-    (docs/measurements.md)."""
+    (docs/benchmarks.md)."""
     factor = dct_factor(full, min_height, min_width)
     arr = simplejpeg.decode_jpeg(payload, colorspace="GRAY" if mode == "L" else "RGB", min_factor=factor,
                                  min_height=-(-full[0] // factor), min_width=-(-full[1] // factor))
@@ -162,7 +162,7 @@ def resized_window(arr: np.ndarray, full: tuple[int, int], window: Window, size:
     ``out`` when given (a batch slot).
 
     Bilinear, the default, goes through OpenCV (:func:`packer.images.resample.resample`), several times faster than
-    Pillow, which also needs a copy into a PIL image and one back out (docs/measurements.md). It is close to, not
+    Pillow, which also needs a copy into a PIL image and one back out (docs/benchmarks.md). It is close to, not
     the same as, Pillow's antialiased filter; other interpolations are Pillow's, exactly."""
     box = (window.left, window.top, window.left + window.width, window.top + window.height)
     if interpolation == "bilinear":

@@ -2,7 +2,7 @@
 
 A 64 x 224 x 224 x 3 batch is 9.6 MB. Allocated afresh for every batch, glibc maps it from the kernel and gives
 it back on free, so each batch pays about 2,400 page faults and the kernel zeroes every page before the decode
-threads write it: a visible part of a 224 px JPEG's decode (docs/measurements.md, "Decoding"). :class:`BatchPool` keeps
+threads write it: a visible part of a 224 px JPEG's decode (docs/benchmarks.md, "Decoding"). :class:`BatchPool` keeps
 the arrays and hands one out again only once nothing refers to it any more, so reuse never changes a batch
 that a caller still holds: a training loop that keeps batches (a list of them, a tensor saved for later) keeps
 them intact, and the pool makes new ones meanwhile.
@@ -50,7 +50,7 @@ def shared_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor in shared memory, made there directly: ``torch.empty(...).share_memory_()``
     allocates it on the heap first and copies it over, and a forked worker's allocations then reuse the freed
     heap chunks it inherited, copying them page by page: the workers' memory grows epoch after epoch
-    (docs/measurements.md)."""
+    (docs/benchmarks.md)."""
     storage = torch.UntypedStorage._new_shared(tensor_bytes(shape, dtype) + DECODE_SLACK)
     return _placed(torch.empty(0, dtype=torch.uint8).set_(storage), shape, dtype)
 

@@ -49,7 +49,7 @@ from .augment import (
 )
 
 # Where decoded pixels should start: simplejpeg decodes fastest into rows a few bytes past a 64-byte boundary,
-# not on one (docs/measurements.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
+# not on one (docs/benchmarks.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
 # shared memory on a page; numpy's arrays start wherever glibc puts them. Batches and scratch buffers start here.
 DECODE_OFFSET = 16
 DECODE_SLACK = 64  # bytes allocated beyond a buffer's size to move its start there
@@ -63,7 +63,7 @@ def decode_start(address: int) -> int:
 def decode_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised flat uint8 array of ``nbytes`` at a :func:`decode_start`. From numpy, which asks the
     kernel for transparent huge pages for large arrays; torch's allocator does not, and decoding into torch's
-    memory was measurably slower (docs/measurements.md, "Decoding")."""
+    memory was measurably slower (docs/benchmarks.md, "Decoding")."""
     flat = np.empty(nbytes + DECODE_SLACK, np.uint8)
     start = decode_start(flat.ctypes.data)
     return flat[start:start + nbytes]
@@ -212,7 +212,7 @@ class Decoding:
         simplejpeg and a slice copied, for a case that is common and simple (JPEGs stored at the output size, or
         at the read-time resize with a centre crop to do): per-image Python holds the GIL that the other decode
         threads need, and :meth:`decode_array`'s general checks are a noticeable part of a 224 px decode
-        (docs/measurements.md). Anything they do not decode exactly (another format or size, a damaged file)
+        (docs/benchmarks.md). Anything they do not decode exactly (another format or size, a damaged file)
         goes to :meth:`decode_array`, which gives the same pixels and the error that names the sample."""
         chosen = next((kind for kind in ROW_DECODERS if kind.serves(self)), None)
         return chosen(self) if chosen is not None else self.decode_array

@@ -73,7 +73,7 @@ class Hdf5Writer(Writer):
         path = self.dest / FILENAME
         # The temporary files are read in COPY_BYTES pieces, not memory-mapped or read whole: a map's pages count
         # in the process's RSS (and a job's cgroup), so the peak grew with the dataset; read in pieces it stays
-        # flat (docs/measurements.md, benchmarks/pack_memory.py).
+        # flat (docs/benchmarks.md, benchmarks/pack_memory.py).
         with h5py.File(path, "w", libver="earliest") as f:
             if self.spec.store == "raw" and shape:
                 images = f.create_dataset("images", (n, *shape), dtype=np.dtype(self.spec.dtype))

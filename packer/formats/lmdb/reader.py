@@ -111,7 +111,7 @@ class LmdbReader(Reader):
 
     ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
     more, so without it a cold read faults them in one 4 KB page at a time, far slower than the folder on a
-    cold cache (docs/measurements.md); turn it off only for records much smaller than a page."""
+    cold cache (docs/benchmarks.md); turn it off only for records much smaller than a page."""
 
     HANDLES = ("env", "txn")
 
