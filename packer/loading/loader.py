@@ -355,7 +355,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
                 tuned: bool = True, threads: int | None = None, prefetch_batches: int | None = None,
                 drop_last: bool = False, block_window: int = 4, block_bytes: int | str = BLOCK_BYTES,
                 fetch_ahead: int | None = None, **overrides: Any) -> PrefetchLoader:
-    """A ``torch.utils.data.DataLoader`` over ``dataset`` with the defaults above; ``overrides`` win.
+    """A ``torch.utils.data.DataLoader`` over ``dataset`` with packer's tuned defaults; ``overrides`` win.
 
     The loader resumes mid-epoch: save ``loader.state_dict()`` with the model, and after a restart make the same
     loader and call ``loader.load_state_dict(state)``; the next iteration is the rest of the interrupted epoch.
