@@ -10,6 +10,7 @@ fresh venv with that venv's own pip."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -178,6 +179,19 @@ def test_the_api_reference_documents_every_public_name():
     assert public | {"packer.lightning.PackedDataModule"} <= directives
 
 
+def test_the_type_checking_imports_are_the_lazy_exports():
+    """``packer/__init__.py`` gives each public name twice, in ``_EXPORTS`` (imported on first use) and in its
+    ``if TYPE_CHECKING:`` imports (which type checkers and the API reference read): the same names, the same
+    modules."""
+    import packer
+
+    tree = ast.parse((REPO / "packer" / "__init__.py").read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    named = {alias.name: f"packer.{node.module}" for node in block.body if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert named == packer._EXPORTS
+
+
 def test_every_public_function_documents_every_argument():
     """Google-style Args for every parameter of the public API, read as the API reference reads them (griffe,
     with the site's extensions)."""
@@ -187,7 +201,8 @@ def test_every_public_function_documents_every_argument():
                           resolve_aliases=True)
     names = ["pack", "export", "read_manifest", "open_dataset", "make_loader", "to_device", "stream", "to_hf",
              "scan_folder"]
-    objects = [package[n] for n in names] + [package["dataset.PackedDataset"], package["lightning.PackedDataModule"]]
+    classes = ["reading.dataset.PackedDataset", "lightning.PackedDataModule"]
+    objects = [package[n] for n in names + classes]
     for obj in objects:
         function = obj.members["__init__"] if obj.is_class else obj
         documented = {p.name for s in (obj.docstring.parsed if obj.docstring else [])
