@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import stored_samples
 from PIL import Image
 
 import packer
@@ -63,16 +64,6 @@ def packed(source, tmp_path_factory) -> Callable[[str], Path]:
         return done[fmt]
 
     return get
-
-
-def stored(dest: Path) -> list[tuple[str, int, bytes]]:
-    """(relpath, label, stored bytes) of every sample, read with verify=True."""
-    ds = packer.open_dataset(dest, decode=False, verify=True)
-    out = []
-    for i in range(len(ds)):
-        data, label = ds.raw_sample(i)
-        out.append((ds.relpath(i), label, bytes(data)))
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -369,7 +360,7 @@ def inspect_isolated(dest: Path, index: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_corruption(case: Case, packed, tmp_path):
-    ref = stored(packed(case.fmt))
+    ref = stored_samples(packed(case.fmt))
     dest = tmp_path / "ds"
     shutil.copytree(packed(case.fmt), dest)
     expect = case.damage(dest, ref)
@@ -420,14 +411,14 @@ def test_intact_copies_pass(fmt, packed, tmp_path):
     shutil.copytree(packed(fmt), dest)
     res = inspect(str(dest), K)
     assert res["verify"]["rc"] == 0 and res["deep"]["rc"] == 0, res
-    assert res["read_True"]["label"] == stored(packed(fmt))[K][1]
-    assert stored(dest) == stored(packed(fmt))
+    assert res["read_True"]["label"] == stored_samples(packed(fmt))[K][1]
+    assert stored_samples(dest) == stored_samples(packed(fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_other_samples_still_read(fmt, packed, tmp_path):
     """Damage to one sample's payload spoils only that sample: every other one still reads (verify=True)."""
-    ref = stored(packed(fmt))
+    ref = stored_samples(packed(fmt))
     dest = tmp_path / "ds"
     shutil.copytree(packed(fmt), dest)
     {"lmdb": lmdb_payload, "hdf5": hdf5_payload, "wds": wds_payload}[fmt](dest, ref)
@@ -444,7 +435,7 @@ def test_other_samples_still_read(fmt, packed, tmp_path):
 def test_flipped_label_without_verify(fmt, packed, tmp_path):
     """A documented limitation: without verify=True nothing checks a sample's label on read, so a damaged label
     reads back as the other class; verify=True (and `packer verify`) find it."""
-    ref = stored(packed(fmt))
+    ref = stored_samples(packed(fmt))
     dest = tmp_path / "ds"
     shutil.copytree(packed(fmt), dest)
     {"lmdb": lmdb_label, "hdf5": hdf5_label, "wds": wds_index_label}[fmt](dest, ref)
@@ -482,7 +473,7 @@ def test_a_damaged_sample_in_a_threaded_batch_raises_and_the_next_batch_reads(pa
     thread has stopped; the dataset then reads the following batches correctly."""
     dest = tmp_path / "ds"
     shutil.copytree(packed("hdf5"), dest)
-    ref = stored(dest)
+    ref = stored_samples(dest)
     hdf5_payload(dest, ref)
     ds = packer.open_dataset(dest, verify=True, threads=threads, resize=32, center_crop=32)
     with pytest.raises(CorruptDataError, match=rf"data\.h5.*sample {K}\b"):
