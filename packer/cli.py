@@ -2,6 +2,10 @@
 
 Every :class:`PackerError` becomes one line on stderr and a non-zero exit code, never a traceback; Ctrl-C
 exits with 130.
+
+Each command imports its own stack (formats, packing, exports, verify, bench) when it runs, so that ``packer
+--help`` and a mistyped option answer without loading h5py, lmdb and the codecs: these are the package's only
+imports that climb its layers (``scripts/count_climbs.py``; tests/test_project.py holds the list).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import click
 from . import __version__, arguments
 from .errors import ManifestError, PackerError, UsageError
 from .packing.options import click_options
+from .remote.entry import read_manifest
 from .remote.url import parse_url
 
 
@@ -143,7 +148,6 @@ def summary_line(dest: str, manifest: dict) -> str:
 def info(dest, as_json) -> None:
     """Summarise the packed dataset DEST."""
     from . import formats  # noqa: F401 - registers each format's check of its own manifest keys
-    from .remote.entry import read_manifest
 
     manifest = read_manifest(dest)
     if as_json:
@@ -207,7 +211,6 @@ def format_lines(dest: str, manifest: dict) -> list[str]:
 def class_count_lines(dest: str, manifest: dict) -> list[str]:
     """Samples per class and in total, read from a local dataset's records (none for a URL: that would fetch it)."""
     from .formats import open_reader
-    from .remote.url import parse_url
 
     if parse_url(dest) is not None or not manifest["classes"]:
         return []  # a URL: counting would fetch the data; no classes: the header line has the total

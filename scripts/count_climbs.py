@@ -1,7 +1,8 @@
 """Count the imports of packer's modules that climb back up the import layers.
 
 Layers: each module is placed one above the highest module it imports at load time (its module-level imports;
-imports inside functions and ``if TYPE_CHECKING:`` blocks do not decide the layers). An import, at load time or
+imports inside functions do not decide the layers, and imports under ``if TYPE_CHECKING:``, which never run, are
+left out). An import, at load time or
 deferred into a function, climbs back when it reaches a module on a layer above the importer's: a lower module
 reaching up into the ones that use it (a deferred import is how such a call dodges the cycle the project test
 forbids). An entry point that defers its imports for start-up time (``cli``) sits low and counts too: read the
@@ -56,12 +57,21 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
-def _deferred(node: ast.AST) -> set[int]:
-    """The ids of the import nodes inside functions or ``if TYPE_CHECKING:`` blocks under ``node``."""
+def _typing_only(node: ast.AST) -> set[int]:
+    """The ids of the import nodes inside ``if TYPE_CHECKING:`` blocks under ``node``: never run, so neither a
+    dependency nor a climb (``packer/__init__`` names its lazy public API there for type checkers)."""
     out: set[int] = set()
     for inner in ast.walk(node):
-        typing_only = isinstance(inner, ast.If) and "TYPE_CHECKING" in ast.unparse(inner.test)
-        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or typing_only:
+        if isinstance(inner, ast.If) and "TYPE_CHECKING" in ast.unparse(inner.test):
+            out |= {id(n) for n in ast.walk(inner) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def _deferred(node: ast.AST) -> set[int]:
+    """The ids of the import nodes inside functions under ``node``."""
+    out: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             out |= {id(n) for n in ast.walk(inner) if isinstance(n, (ast.Import, ast.ImportFrom))}
     return out
 
@@ -74,9 +84,11 @@ def imports(root: Path) -> dict[str, dict[str, bool]]:
     for name, path in known.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        deferred = _deferred(tree)
+        deferred, typing_only = _deferred(tree), _typing_only(tree)
         found: dict[str, bool] = {}
         for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -236,7 +236,6 @@ def test_packages_import_only_the_layers_below_them():
 # Modules outside packer/remote/ that may import it: the public entry points, which resolve a URL into local files
 # (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
 REMOTE_IMPORTERS = {
-    "packer": "names packer.read_manifest for type checkers and the API reference (if TYPE_CHECKING)",
     "packer.cli": "its commands take URLs: parse_url tells them from folders, info reads a URL's manifest",
     "packer.packing.pack": "pack(): a URL SRC is fetched into the cache, a URL DEST is converted then uploaded",
     "packer.packing.upload": "uploads a finished conversion to a URL, manifest last",
