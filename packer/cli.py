@@ -266,55 +266,88 @@ def verify(dest, deep, quiet) -> None:
 
 @main.command()
 @click.argument("src", required=False, type=click.Path(path_type=str))
+@click.option("--full", is_flag=True, help="Measure the whole matrix instead: every store, worker count, epoch and "
+              "cache, the median of 3 runs each (minutes).")
+@click.option("--min-seconds", type=click.FloatRange(0, min_open=True), default=None,
+              help="Each figure reads for at least this long, repeating the dataset's epochs [default: 1; not with "
+              "--full].")
+@click.option("--compare", nargs=2, type=click.Path(path_type=str), default=None, metavar="A B",
+              help="Print how run B's figures differ from run A's (results.json files, or the --out folders).")
 @click.option("--formats", default="lmdb,hdf5,wds", show_default=True, help="Formats to pack and read.")
-@click.option("--store", "stores", default="original,jpeg,raw", show_default=True,
-              help="Storage modes; STORE:RESIZE[/CROP] (e.g. jpeg:256) packs that one with its own resize/crop.")
+@click.option("--store", "stores", default=None,
+              help="Storage modes; STORE:RESIZE[/CROP] (e.g. jpeg:256) packs that one with its own resize/crop "
+              "[default: jpeg,raw, raw only where it fits the disk; with --full original,jpeg,raw].")
 @click.option("--resize", default="256", show_default=True, help="Offline resize for jpeg/png/raw ('none': off).")
 @click.option("--center-crop", default="224", show_default=True, help="Offline crop for jpeg/png/raw ('none': off).")
 @click.option("--read-resize", default="256", show_default=True,
               help="Read-time resize of the folder (and of packed data not stored at the final size).")
 @click.option("--read-crop", default="224", show_default=True, help="Read-time centre crop: the output size.")
 @click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--workers", default=None, help="Loader worker counts, e.g. 0,1,2 (default: 0, 1, half and all "
-              "usable cores; with --tune 0, 1, 2, 4... cores).")
-@click.option("--epochs", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--workers", default=None, help="Loader worker counts, e.g. 0,1,2 [default: make_loader's default, "
+              "then 1, 2, 4... below it on the chosen dataset; with --full 0, 1, half and all usable cores; with "
+              "--tune 0, 1, 2, 4... cores].")
+@click.option("--epochs", type=click.IntRange(1), default=None, help="With --full: epochs per run [default: 2].")
 @click.option("--cache", "caches", default="warm,cold", show_default=True,
-              help="warm: files read once first; cold: evicted from the page cache before each run.")
+              help="warm: files read once first; cold: evicted from the page cache before each epoch.")
 @click.option("--step-ms", type=click.FloatRange(0), default=0, show_default=True,
-              help="Simulated training step per batch; reports the fraction of time it waited for data.")
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
-              help="Runs per figure, each with a fresh loader; the table reports their median (1: fastest).")
-@click.option("--prefetch-factor", type=click.IntRange(1), default=4, show_default=True)
+              help="A simulated training step after each batch: reports the share of the time it waits for data, "
+              "and the smallest number of workers with which it would not.")
+@click.option("--repeats", type=click.IntRange(1), default=None,
+              help="With --full: runs per figure, each with a fresh loader; the table reports their median "
+              "[default: 3].")
+@click.option("--prefetch-factor", type=click.IntRange(1), default=None, help="With --full [default: 4].")
 @click.option("--packed", multiple=True, type=click.Path(path_type=str),
               help="Benchmark this packed dataset instead of packing SRC (repeat the option for several).")
 @click.option("--out", default="bench-out", show_default=True,
               help="Folder for results.json, results.md, results.txt and bench.png.")
 @click.option("--work", default=None, help="Where to pack (default: inside --out); use a real disk for cold runs.")
 @click.option("--keep", is_flag=True, help="Keep the packed datasets in the work folder.")
-@click.option("--disk-test-mb", type=click.IntRange(0), default=384, show_default=True,
-              help="Size of the file read to measure the disk (0: skip).")
+@click.option("--disk-test-mb", type=click.IntRange(0), default=None,
+              help="Size of the file read to measure the disk (0: skip) [default: 0; with --full 384].")
 @click.option("--no-limits", is_flag=True, help="Skip the decode, memory and disk ceilings.")
 @click.option("--tune", "tune_dest", default=None, type=click.Path(path_type=str),
               help="DEST: sweep workers, threads, prefetch factor (and pinning, with CUDA) on DEST read as "
               "--read-resize/--read-crop (--pipeline train: random resized crop) give, at --batch-size; write "
               "DEST/loader.json.")
 @click.option("--prefetch-factors", default="2,4", show_default=True, help="With --tune: prefetch factors to try.")
-@click.option("--pipeline", "pipelines", default="val,train", show_default=True,
-              help="val: read-time resize and centre crop; train: random resized crop + flip fused into decoding "
-              "(the folder baseline decodes with Pillow, as ImageFolder + torchvision's transforms). With --tune: "
-              "the first one named is the view tuned for.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--pipeline", "pipelines", default=None,
+              help="train: random resized crop + flip fused into decoding (the folder baseline decodes with "
+              "Pillow, as ImageFolder + torchvision's transforms); val: read-time resize and centre crop "
+              "[default: train,val; with --full and --tune val,train]. With --tune: the first one named is the view "
+              "tuned for.")
+@click.option("--quiet", is_flag=True, help="No live table or progress bars.")
 @handle_errors
-def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, batch_size, workers, epochs, caches,
-          step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits, tune_dest,
-          prefetch_factors, pipelines, quiet) -> None:
-    """Measure loading speed of SRC packed in each format and store against the folder itself; or, with
-    --tune DEST, find the fastest loader settings for a packed dataset."""
+def bench(src, full, min_seconds, compare, formats, stores, resize, center_crop, read_resize, read_crop, batch_size,
+          workers, epochs, caches, step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits,
+          tune_dest, prefetch_factors, pipelines, quiet) -> None:
+    """Measure how fast SRC loads packed in each format against the folder itself, and say what to pack with.
+
+    By default, in about a minute: each format with store jpeg and raw (where it fits the disk), read by
+    make_loader's default loader with the training and the validation pipeline, warm and cold, each figure read
+    for --min-seconds; the verdict first (the pack command, its speed over the folder, its size on disk, the
+    choice if disk is short, how few workers keep a training step fed), then the table (each row printed live on
+    stderr as it finishes), then the chart. --full measures the whole matrix; --tune DEST finds the fastest loader
+    settings for a packed dataset; --compare A B compares two runs.
+    """
     from . import bench as b
 
+    if compare:
+        if src or tune_dest:
+            raise UsageError("give --compare A B alone, without SRC or --tune")
+        from .bench.compare import compare_lines, load_results
+
+        click.echo("\n".join(compare_lines(*(load_results(p) for p in compare))))
+        return
+    quick_only = {"--min-seconds": min_seconds}
+    full_only = {"--epochs": epochs, "--repeats": repeats, "--prefetch-factor": prefetch_factor}
+    given = [name for name, value in (full_only if not full else quick_only).items() if value is not None]
+    if given and not tune_dest:
+        raise UsageError(f"{', '.join(given)}: only {'with --full' if not full else 'without --full'} (the quick "
+                         "run reads each figure for --min-seconds through make_loader's default loader)")
+    pipelines = pipelines or ("train,val" if src and not full and not tune_dest else "val,train")
     try:  # bench's parsers raise ValueError for text that is not what they parse: that is bad input
         counts = b.split_ints(workers) if workers else None
-        for text in b.split_names(stores) if not tune_dest else ():
+        for text in b.split_names(stores) if stores and not tune_dest else ():
             b.parse_variant(text)
         b.parse_pipelines(b.split_names(pipelines))
     except ValueError as exc:
@@ -336,16 +369,20 @@ def bench(src, formats, stores, resize, center_crop, read_resize, read_crop, bat
         click.echo(b.format_tune(data, tune_dest))
         return
     if not src:
-        raise UsageError("give the image folder SRC to benchmark (or --tune DEST)")
-    results = b.run_bench(src, formats=b.split_names(formats), stores=b.split_names(stores),
-                          resize=b.optional_size(resize), center_crop=b.optional_size(center_crop),
-                          batch_size=batch_size, workers=counts, epochs=epochs, caches=b.split_names(caches),
-                          step_ms=step_ms, out=out, keep=keep, packed=packed, repeats=repeats,
-                          read_resize=b.optional_size(read_resize), read_crop=b.optional_size(read_crop),
-                          work=work, limits=not no_limits, disk_test_mb=disk_test_mb,
-                          prefetch_factor=prefetch_factor, progress=not quiet,
-                          pipelines=b.split_names(pipelines), log=click.echo,
-                          command=" ".join(["packer", *map(shlex.quote, sys.argv[1:])]))
+        raise UsageError("give the image folder SRC to benchmark (or --tune DEST, or --compare A B)")
+    command = " ".join(["packer", *map(shlex.quote, sys.argv[1:])])
+    common = dict(formats=b.split_names(formats), resize=b.optional_size(resize),
+                  center_crop=b.optional_size(center_crop), batch_size=batch_size, workers=counts,
+                  caches=b.split_names(caches), step_ms=step_ms, out=out, keep=keep, packed=packed,
+                  read_resize=b.optional_size(read_resize), read_crop=b.optional_size(read_crop), work=work,
+                  limits=not no_limits, progress=not quiet, pipelines=b.split_names(pipelines), command=command)
+    if full:
+        results = b.run_bench(src, stores=b.split_names(stores or "original,jpeg,raw"), epochs=epochs or 2,
+                              repeats=repeats or 3, prefetch_factor=prefetch_factor or 4,
+                              disk_test_mb=384 if disk_test_mb is None else disk_test_mb, log=click.echo, **common)
+    else:
+        results = b.run_quick(src, stores=b.split_names(stores) if stores else None,
+                              min_seconds=min_seconds or b.MIN_SECONDS, disk_test_mb=disk_test_mb or 0, **common)
     click.echo(b.render_text(results), nl=False)
     click.echo(f"wrote {', '.join(results['outputs'].values())}")
     if results.get("work"):

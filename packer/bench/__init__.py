@@ -1,10 +1,19 @@
 """``packer bench``: measure how fast packed datasets load against the raw image folder, and what bounds them.
 
-:func:`run_bench` packs SRC into each asked format and storage mode (or reuses packed datasets), then reads each
-one and the folder itself (``FolderDataset(decoder="pil")``: Pillow + Resize + CenterCrop, the torchvision
-ImageFolder baseline) through :func:`packer.make_loader`, every one giving the same uint8 NCHW batches. For each
-(dataset, store, workers, epoch, cache) it records samples/s, MB/s read and decoded, time to the first batch, the
-speedup over the folder with the same settings and the fraction of a ceiling measured in the same run:
+:func:`run_quick` (``packer bench SRC``) measures what decides the choice, in about a minute: each format with
+store jpeg and raw (where it fits the disk), read by make_loader's default loader with the training and the
+validation pipeline, warm and cold, each figure read for a minimum time (:mod:`~packer.bench.passes`); it prints
+each row as it finishes (:mod:`~packer.bench.live`) and puts its verdict first (:mod:`~packer.bench.verdict`): the
+pack command, its speed over the folder, its size on disk, the choice if disk is short, and with how few workers a
+training step would not wait. ``packer bench --compare A B`` (:mod:`~packer.bench.compare`) prints how two runs
+differ. The rest of this docstring is ``--full``.
+
+:func:`run_bench` (``packer bench SRC --full``) packs SRC into each asked format and storage mode (or reuses packed
+datasets), then reads each one and the folder itself (``FolderDataset(decoder="pil")``: Pillow + Resize +
+CenterCrop, the torchvision ImageFolder baseline) through :func:`packer.make_loader`, every one giving the same
+uint8 NCHW batches. For each (dataset, store, workers, epoch, cache) it records samples/s, MB/s read and decoded,
+time to the first batch, the speedup over the folder with the same settings and the fraction of a ceiling measured
+in the same run:
 
 - decode ceiling: the stored payloads decoded (and resized/cropped) by the readers' own read-time decode in a
   process pool of ``usable_cores()`` processes, with no loader, for encoded modes; one round before each of
@@ -27,7 +36,8 @@ on one packed dataset, for one read-time view, and writes the fastest with that 
 Modules: ``machine`` (cores, memory, versions, filesystems, load average), ``cache`` (warm, evict, resident),
 ``targets`` (store variants, the datasets under test), ``pipelines`` (val and train), ``limits`` (memory, disk
 and decode ceilings), ``measure`` (a loader's epochs, rows, speedups), ``report`` (tables, notes, warnings, JSON),
-``chart`` (bench.png), ``summary`` (the first screen: what to use, how much faster), ``tune``
+``chart`` (bench.png), ``summary`` (--full's first screen: what to use, how much faster), ``quick``, ``passes``,
+``live``, ``verdict`` and ``compare`` (the quick run, above), ``tune``
 (``DEST/loader.json``), ``run`` (:func:`run_bench`) and ``remote`` (``packer bench URL``: cold and warm epochs of
 a packed dataset at a URL, with the bytes and requests fetched; not imported here).
 """
@@ -46,6 +56,7 @@ from .limits import (
 from .machine import describe_load, describe_machine, filesystem_type, load_average, machine_info
 from .measure import WARMUP_BATCHES, EpochStats, add_speedups, build_loader, measure, output_signature, run_epochs
 from .pipelines import PIPELINES, open_train, parse_pipelines, train_size
+from .quick import MIN_SECONDS, run_quick, sweep_workers
 from .report import (
                      conversion_lines,
                      format_table,
@@ -60,9 +71,10 @@ from .run import DEFAULT_OUT, default_workers, optional_size, run_bench, split_i
 from .summary import best_choice, summary_lines
 from .targets import Size, Target, Variant, folder_target, pack_target, packed_target, parse_variant, read_geometry
 from .tune import format_tune, noise_warning, tune, tune_workers
+from .verdict import pack_command, verdict
 
 __all__ = [
-    "DEFAULT_OUT", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
+    "DEFAULT_OUT", "MIN_SECONDS", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
     "best_choice", "summary_lines",
     "WARMUP_BATCHES", "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
     "dataset_files", "decode_rates", "default_workers", "describe_load", "describe_machine", "disk_read_speed",
@@ -70,6 +82,7 @@ __all__ = [
     "load_average", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "noise_warning",
     "open_train",
     "optional_size", "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot",
-    "prewarm", "read_geometry", "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench",
-    "run_epochs", "split_ints", "split_names", "train_size", "tune", "tune_workers", "write_outputs"
+    "pack_command", "prewarm", "read_geometry", "render_markdown", "render_text", "resident_bytes",
+    "resident_fraction", "run_bench", "run_epochs", "run_quick", "split_ints", "split_names", "sweep_workers",
+    "train_size", "tune", "tune_workers", "verdict", "write_outputs"
 ]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,9 +29,10 @@ class EpochStats:
     first_batch_s: float = 0.0
     batches: int = 0
     skipped_batches: int = 0
+    waits: list[float] = field(default_factory=list)  # seconds next() waited, for each batch in the window
 
 
-def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | None = None,
+def build_loader(ds: Any, batch_size: int, workers: int | None, prefetch_factor: int | None = None,
                  seed: int = 0, **overrides: Any) -> tuple[Any, int]:
     """The loader every benchmark run reads through, and its decode threads per process: ``make_loader`` with
     every setting given, so that a ``loader.json`` beside the dataset does not apply. ``workers`` processes of
@@ -43,8 +45,9 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
     Args:
         ds: the dataset to read.
         batch_size: samples per batch.
-        workers: worker processes; 0 for the in-process loader.
-        prefetch_factor: batches prefetched per worker, or by the in-process loader's background thread.
+        workers: worker processes; 0 for the in-process loader; None: make_loader's default.
+        prefetch_factor: batches prefetched per worker, or by the in-process loader's background thread (None:
+            make_loader's default).
         seed: the sampler's seed (the shuffle order).
         **overrides: further ``make_loader`` settings, such as ``sampler``.
 
@@ -53,8 +56,8 @@ def build_loader(ds: Any, batch_size: int, workers: int, prefetch_factor: int | 
     """
     from ..loading.loader import make_loader
 
-    kwargs: dict[str, Any] = {"num_workers": workers, **overrides}
-    if workers > 0 and prefetch_factor:
+    kwargs: dict[str, Any] = {**({} if workers is None else {"num_workers": workers}), **overrides}
+    if workers and prefetch_factor:
         kwargs["prefetch_factor"] = prefetch_factor
     loader = make_loader(ds, batch_size=batch_size, shuffle=True, seed=seed, tuned=False,
                          prefetch_batches=prefetch_factor if workers == 0 and prefetch_factor else None, **kwargs)
@@ -69,7 +72,8 @@ def check_signature(signature: tuple, expected: tuple | None, where: str) -> tup
     return signature
 
 
-def _signature(images: Any) -> tuple:
+def output_signature_of(images: Any) -> tuple:
+    """(C, H, W, dtype) of a batch of images."""
     return (*(int(x) for x in images.shape[1:]), str(images.dtype).replace("torch.", ""))
 
 
@@ -97,7 +101,7 @@ def run_epochs(loader: Any, epochs: int, step_s: float = 0.0, skip: int = WARMUP
             images = batch[0]
             if i == 0:
                 stats.first_batch_s = got - t
-                expected = check_signature(_signature(images), expected, where)
+                expected = check_signature(output_signature_of(images), expected, where)
             if step_s:
                 time.sleep(step_s)
             stats.batches += 1
@@ -105,6 +109,7 @@ def run_epochs(loader: Any, epochs: int, step_s: float = 0.0, skip: int = WARMUP
                 stats.samples += len(images)
                 stats.decoded_bytes += images.numel() * images.element_size()
                 stats.wait += got - t
+                stats.waits.append(got - t)
                 stats.seconds += time.perf_counter() - t
             if bar is not None:
                 bar.update(len(images))
@@ -145,26 +150,37 @@ def _row(target: Target, workers: int, cache: str, epoch: int, runs: list[dict],
     resident = [r["resident_before"] for r in runs]
     resident_known = None if any(x is None for x in resident) else statistics.median(resident)
     row = {
-        "dataset": target.dataset, "store": target.store, "store_mode": target.store_mode,
-        "pipeline": target.pipeline,
-        "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
-        "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
-        "workers": workers, "threads": runs[0]["threads"], "engine": runs[0]["plan"].engine,
-        "plan": str(runs[0]["plan"]), "batch_size": settings["batch_size"], "epoch": epoch + 1,
-        "cache": cache,
+        **target_fields(target, output_bytes), "workers": workers, "threads": runs[0]["threads"],
+        "engine": runs[0]["plan"].engine, "plan": str(runs[0]["plan"]), "batch_size": settings["batch_size"],
+        "epoch": epoch + 1, "cache": cache,
         "samples": stats[0].samples, "skipped_batches": stats[0].skipped_batches,
         "samples_per_s": rate, "samples_per_s_runs": rates,
         "mb_per_s_read": rate * target.bytes_per_sample / 1e6,
         "mb_per_s_decoded": rate * output_bytes / 1e6,
         "first_batch_s": statistics.median(s.first_batch_s for s in stats),
-        "bytes_per_sample_read": target.bytes_per_sample, "bytes_per_sample_decoded": output_bytes,
         "resident_before": resident_known,
-        "eviction_ok": (resident_known is not None and resident_known < EVICTED_BELOW) if cache == "cold" else None,
+        "eviction_ok": evicted(resident_known) if cache == "cold" else None,
         "data_stall": (statistics.median(s.wait / s.seconds for s in stats if s.seconds)
                        if settings["step_ms"] else None),
         "repeats": len(runs),
+        "noise": spread(rates),
+        **wait_summary([w for s in stats for w in s.waits]),
     }
     return row
+
+
+def target_fields(target: Target, output_bytes: int) -> dict[str, Any]:
+    """A row's fields that come from its target: what is read, how it was packed, how it is read."""
+    return {"dataset": target.dataset, "store": target.store, "store_mode": target.store_mode,
+            "pipeline": target.pipeline, "pack_resize": target.pack_resize, "pack_crop": target.pack_crop,
+            "read_resize": target.read_resize, "read_crop": target.read_crop, "decoder": target.decoder,
+            "bytes_per_sample_read": target.bytes_per_sample, "bytes_per_sample_decoded": output_bytes,
+            "bytes_on_disk": target.bytes_on_disk}
+
+
+def evicted(resident: float | None) -> bool:
+    """Whether a cold run's files were out of the page cache when it started (False where unknown)."""
+    return resident is not None and resident < EVICTED_BELOW
 
 
 def measure(target: Target, settings: dict[str, Any], expected: tuple | None, bar: tqdm | None,
@@ -184,6 +200,35 @@ def measure(target: Target, settings: dict[str, Any], expected: tuple | None, ba
     return rows
 
 
+def spread(rates: list[float]) -> float | None:
+    """The noise of a figure made of ``rates`` (of equal weight): the standard error of their mean, over it (None
+    under 3 of them)."""
+    if len(rates) < 3 or not statistics.fmean(rates):
+        return None
+    return statistics.stdev(rates) / len(rates) ** 0.5 / statistics.fmean(rates)
+
+
+DEFAULT_NOISE = 0.05  # the noise taken for a rate whose own could not be measured
+
+
+def change(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Row ``b``'s rate against row ``a``'s: the relative change, the noise of the difference (twice the two
+    rates' noise combined, about a 95% interval) and whether the change is within it."""
+    ra, rb = a["samples_per_s"], b["samples_per_s"]
+    moved = (rb - ra) / ra if ra else math.inf
+    noise = 2 * math.hypot(a.get("noise") or DEFAULT_NOISE, b.get("noise") or DEFAULT_NOISE)
+    return {"a": ra, "b": rb, "change": moved, "noise": noise, "within": abs(moved) <= noise}
+
+
+def wait_summary(waits: list[float]) -> dict[str, float | None]:
+    """``wait_p50_ms``, ``wait_p95_ms`` and ``wait_max_ms``: the milliseconds ``next(loader)`` waited per batch."""
+    if not waits:
+        return {"wait_p50_ms": None, "wait_p95_ms": None, "wait_max_ms": None}
+    ms = np.asarray(waits) * 1e3
+    return {"wait_p50_ms": float(np.percentile(ms, 50)), "wait_p95_ms": float(np.percentile(ms, 95)),
+            "wait_max_ms": float(ms.max())}
+
+
 def output_signature(target: Target) -> tuple:
     """(C, H, W, dtype) of the batches ``target`` gives, from one batch read without a loader."""
     ds = target.open()
@@ -194,7 +239,7 @@ def output_signature(target: Target) -> tuple:
     if images is None:
         raise PackerError(f"{target.root}: its images do not all have one size; pass --read-crop so the benchmark "
                           "compares fixed-size batches")
-    return _signature(images)
+    return output_signature_of(images)
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -23,14 +23,25 @@ COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("pipeline", 
            ("workers", "workers", "{}"),
            ("threads", "threads", "{}"),
            ("cache", "cache", "{}"), ("epoch", "epoch", "{}"), ("samples_per_s", "samples/s", "{:.0f}"),
+           ("noise", "±", "{:.0%}"),
            ("mb_per_s_read", "MB/s read", "{:.1f}"), ("mb_per_s_decoded", "MB/s out", "{:.1f}"),
            ("first_batch_s", "1st batch s", "{:.2f}"), ("speedup_vs_folder", "vs folder", "{:.2f}x"),
            ("ceiling_samples_per_s", "ceiling/s", "{:.0f}"), ("ceiling_kind", "bound", "{}"),
-           ("fraction_of_ceiling", "of ceiling", "{:.0%}"), ("data_stall", "stall", "{:.0%}"),
+           ("fraction_of_ceiling", "of ceiling", "{:.0%}"), ("wait_p50_ms", "wait p50 ms", "{:.1f}"),
+           ("wait_p95_ms", "p95 ms", "{:.1f}"), ("wait_max_ms", "max ms", "{:.1f}"), ("data_stall", "stall", "{:.0%}"),
            ("eviction_ok", "evicted", "{}")]
+# the quick run's table (and its live rows): what decides the choice, and whether a step would wait
+QUICK_COLUMNS = [("dataset", "dataset", "{}"), ("store", "store", "{}"), ("pipeline", "pipeline", "{}"),
+                 ("cache", "cache", "{}"), ("workers", "workers", "{}"), ("samples_per_s", "img/s", "{:,.0f}"),
+                 ("noise", "±", "{:.0%}"), ("speedup_vs_folder", "vs folder", "{:.1f}x"),
+                 ("wait_p50_ms", "wait p50 ms", "{:.1f}"), ("wait_p95_ms", "p95 ms", "{:.1f}"),
+                 ("wait_max_ms", "max ms", "{:.1f}"), ("data_stall", "step waits", "{:.1%}"),
+                 ("fraction_of_ceiling", "of ceiling", "{:.0%}"), ("mb_per_s_read", "MB/s read", "{:,.1f}"),
+                 ("eviction_ok", "evicted", "{}")]
 
 
-def _cell(row: dict, key: str, fmt: str) -> str:
+def cell(row: dict, key: str, fmt: str) -> str:
+    """One cell of a table: the row's value in ``fmt``, "-" where there is none, yes/NO for a flag."""
     value = row.get(key)
     if value is None:
         return "-"
@@ -39,14 +50,14 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-def _columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+def _columns(rows: list[dict], columns: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     """Drop columns with nothing in them (stall without --step-ms, evicted without cold runs)."""
-    return [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    return [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
 
 
-def format_table(rows: list[dict]) -> str:
-    cols = _columns(rows)
-    cells = [[title for _, title, _ in cols]] + [[_cell(r, k, f) for k, _, f in cols] for r in rows]
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
+    cols = _columns(rows, columns)
+    cells = [[title for _, title, _ in cols]] + [[cell(r, k, f) for k, _, f in cols] for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
              for line in cells]
@@ -54,11 +65,11 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    cols = _columns(rows)
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
+    cols = _columns(rows, columns)
     lines = ["| " + " | ".join(title for _, title, _ in cols) + " |",
              "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
-    lines += ["| " + " | ".join(_cell(r, k, f) for k, _, f in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -91,6 +102,8 @@ def conversion_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
+    if results.get("mode") == "quick":
+        return _quick_markdown(results)
     parts = ["# packer bench results", ""] + [f"**Warning:** {line}\n" for line in results.get("warnings", [])]
     parts += [f"{line}  " for line in summary_lines(results)] + [""]
     parts += [f"Command: `{results['command']}`", "", f"Machine: {describe_machine(results['machine'])}", ""]
@@ -126,6 +139,8 @@ def write_outputs(results: dict[str, Any], out: str | os.PathLike) -> dict[str, 
 
 
 def render_text(results: dict[str, Any]) -> str:
+    if results.get("mode") == "quick":
+        return _quick_text(results)
     summary = summary_lines(results)
     parts = [*summary, *([""] if summary else []), f"machine: {describe_machine(results['machine'])}", "",
              format_table(results["rows"]), ""]
@@ -169,6 +184,94 @@ def batches_per_epoch(settings: dict[str, Any], count: int) -> int:
     return math.ceil(count / settings["batch_size"])
 
 
+def _chart_line(results: dict[str, Any]) -> str:
+    chart = results.get("chart")
+    return f"chart: {chart}" if chart else "no chart: matplotlib is not installed; pip install matplotlib draws one"
+
+
+def _quick_text(results: dict[str, Any]) -> str:
+    """The quick run's report: the verdict, any warning, the table, the chart, then how it was measured."""
+    parts = [*results["verdict"]["lines"], *(f"WARNING: {line}" for line in results.get("warnings", [])), "",
+             format_table(results["rows"], QUICK_COLUMNS), "", _chart_line(results),
+             f"machine: {describe_machine(results['machine'])}", describe_load(results["load_average"])]
+    parts += limits_lines(results) + conversion_lines(results) + results.get("notes", [])
+    return "\n".join(parts) + "\n"
+
+
+def _quick_markdown(results: dict[str, Any]) -> str:
+    parts = ["# packer bench results", "", "```", *results["verdict"]["lines"], "```", ""]
+    parts += [f"**Warning:** {line}\n" for line in results.get("warnings", [])]
+    parts += [markdown_table(results["rows"], QUICK_COLUMNS), ""]
+    parts += ["![bench.png](bench.png)", ""] if results.get("chart") else []
+    parts += [f"Command: `{results['command']}`", "", f"Machine: {describe_machine(results['machine'])}", "",
+              f"The {describe_load(results['load_average'])}.", "", "## Limits measured in the same run", ""]
+    parts += [f"- {line}" for line in limits_lines(results)]
+    if results.get("conversions"):
+        parts += ["", "## Conversion", ""] + [f"- {line}" for line in conversion_lines(results)]
+    parts += ["", "## Notes", ""] + [f"- {note}" for note in results.get("notes", [])]
+    return "\n".join(parts) + "\n"
+
+
+def quick_notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any], skip_above: int) -> list[str]:
+    """How the quick run measured, in a few lines."""
+    plan = rows[0]["plan"] if rows else "?"
+    found = [f"each figure reads for at least {settings['min_seconds']:g} s: warm ones repeat the dataset's epochs "
+             "back to back through one loader; cold ones read single epochs, each by a fresh loader whose workers "
+             "started before the dataset's files were evicted from the page cache",
+             f"the loader is make_loader's default ({plan}); each rate leaves out the first batch of each worker "
+             f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± is the rate's "
+             "standard deviation over parts of its passes, over the rate",
+             "wait p50/p95/max: the milliseconds next(loader) waited for a batch"
+             + (f", while a simulated {settings['step_ms']:g} ms training step followed each batch; step waits: "
+                "the share of that loop's time spent waiting for data" if settings["step_ms"] else
+                ", reading flat out (give --step-ms N to see what a training step of N ms would wait)"),
+             "val reads the folder with Pillow + Resize + CenterCrop (torchvision's ImageFolder), train with "
+             "RandomResizedCrop + flip; packed datasets with packer's decoder; every row gives the same batches",
+             "packer bench SRC --full measures the whole matrix (stores original, jpeg and raw; workers 0, 1, half "
+             "and all cores; two epochs; the median of 3 runs)"]
+    if any(r["eviction_ok"] is False for r in rows):
+        found.append(f"eviction did NOT take on some cold runs (the work folder is on "
+                     f"{machine.get('work_filesystem')}; tmpfs and some overlays keep pages): those rows are warm")
+    return found
+
+
+NOISY = 0.25  # a rate whose noise is over this fraction of it is warned about
+
+
+def quick_warnings(results: dict[str, Any]) -> list[str]:
+    """Why some of a quick run's figures cannot be trusted, each with its reason: a busy machine, figures measured
+    for less than the minimum time, cold epochs too short to stand for a large dataset's, rates that moved a lot
+    while measured."""
+    rows, settings = results["rows"], results["settings"]
+    found = [busy_warning(results["load_average"])] if results["load_average"].get("busy") else []
+    short = [r for r in rows if r["seconds"] < settings["min_seconds"] / 2]
+    if short:
+        found.append(f"{len(short)} figures were measured for under {settings['min_seconds'] / 2:g} s (the shortest: "
+                     f"{min(r['seconds'] for r in short):.2f} s over {min(r['batches'] for r in short)} batches), "
+                     "as long as the time allowed them: run with a larger --min-seconds")
+    batches = math.ceil(results["source"]["images"] / settings["batch_size"])
+    cold = [r for r in rows if r["cache"] == "cold" and batches < 4 * max(1, r["workers"])]
+    if cold:
+        found.append(f"the cold figures read epochs of {batches} batches of {settings['batch_size']}: the start of "
+                     "each (opening the files, each worker's first batch) is most of their time, as it would not be "
+                     "on a larger dataset; benchmark more images for cold figures to rely on (e.g. "
+                     f"`{SAMPLE_DATA}`)")
+    noisy = [r for r in rows if (r.get("noise") or 0) > NOISY]
+    if noisy:
+        worst = max(noisy, key=lambda r: r["noise"])
+        found.append(f"{len(noisy)} rates moved by more than ±{NOISY:.0%} while measured (the most: "
+                     f"{worst['dataset']} {worst['store']} {worst['pipeline']} {worst['cache']}, "
+                     f"±{worst['noise']:.0%}): the machine's speed changed under them; rerun on an idle machine")
+    return found
+
+
+def busy_warning(load: dict[str, Any]) -> str:
+    return (f"the machine was busy (1-minute load average {load['start'][0] if load['start'] else '?'} "
+            f"at the start, {load['end'][0] if load['end'] else '?'} at the end, on "
+            f"{load['usable_cores']} usable cores): figures taken on a busy machine are not publishable; "
+            "rerun on an idle one")
+
+
 def figure_warnings(batches: int, load: dict[str, Any]) -> list[str]:
     """Why the figures of a run should not be relied on, if they should not: too few batches per epoch, or a
     busy machine."""
@@ -179,8 +282,5 @@ def figure_warnings(batches: int, load: dict[str, Any]) -> list[str]:
                      "batches are decoded side by side before the clock starts). Benchmark a larger folder, e.g. "
                      f"`{SAMPLE_DATA}` (3,000 images; needs scikit-image)")
     if load["busy"]:
-        found.append(f"the machine was busy (1-minute load average {load['start'][0] if load['start'] else '?'} "
-                     f"at the start, {load['end'][0] if load['end'] else '?'} at the end, on "
-                     f"{load['usable_cores']} usable cores): figures taken on a busy machine are not publishable; "
-                     "rerun on an idle one")
+        found.append(busy_warning(load))
     return found

@@ -37,7 +37,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bench_run(tiny_folder, run_packer):
     out = tiny_folder.parent / "out"
-    proc = run_packer("bench", tiny_folder, "--workers", "0", "--epochs", "1", "--cache", "warm,cold",
+    proc = run_packer("bench", tiny_folder, "--full", "--workers", "0", "--epochs", "1", "--cache", "warm,cold",
                       "--resize", "32", "--center-crop", "24", "--read-resize", "32", "--read-crop", "24",
                       "--batch-size", "4", "--repeats", "1", "--step-ms", "1", "--disk-test-mb", "8", "--out", out,
                       "--quiet")
