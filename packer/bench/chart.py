@@ -63,7 +63,9 @@ def _panel(ax: Any, rows: list[dict], pipeline: str, series: list[tuple[str, int
         label = f"{cache} cache, {_loader_label(rows, workers)}"
         found = [by_key.get((*key, cache, workers)) for key in keys]
         centres = x - 0.4 + width * (k + 0.5)
-        ax.bar(centres, [r["samples_per_s"] if r else 0 for r in found], width, color=colour, label=label)
+        rates = [r["samples_per_s"] if r else 0 for r in found]
+        noise = [rate * (r.get("noise") or 0) if r else 0 for rate, r in zip(rates, found, strict=True)]
+        ax.bar(centres, rates, width, yerr=noise, color=colour, label=label, error_kw={"lw": 0.8, "capsize": 2})
         for centre, r in zip(centres, found, strict=True):
             if r and r.get("speedup_vs_folder"):
                 ax.annotate(f"{r['speedup_vs_folder']:.1f}x", (centre, r["samples_per_s"]), ha="center",
@@ -78,7 +80,7 @@ def _panel(ax: Any, rows: list[dict], pipeline: str, series: list[tuple[str, int
     ax.set_xticks(x, [f"{d}\n{s}" for d, s in keys], fontsize=7)
     ax.set_yscale("log")
     ax.set_title(PIPELINE_NAMES.get(pipeline, pipeline), fontsize=9)
-    ax.set_ylabel("images/s (bars: ×folder; black: decode ceiling)", fontsize=7)
+    ax.set_ylabel("images/s (±: noise; black: decode ceiling)", fontsize=7)
     ax.legend(loc="best", fontsize=6)
 
 

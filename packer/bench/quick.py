@@ -122,7 +122,8 @@ class _Measurer:
         s = self.settings
         fig = Figure(s["batch_size"], workers, s["min_seconds"], s["step_ms"] / 1000, self.expected)
         self.count += 1
-        self.live.status(f"[{self.count}] {target.dataset} {target.store}, {target.pipeline}, {cache} cache...")
+        loader = f", {workers} worker{'s' if workers != 1 else ''}" if workers is not None else ""
+        self.live.status(f"[{self.count}] {target.dataset} {target.store}, {target.pipeline}, {cache} cache{loader}...")
         if before is not None:
             before()
         read = warm_figure if cache == "warm" else cold_figure
@@ -213,16 +214,17 @@ def _targets(src: Path, work: Path, variants: list[Variant], settings: dict, pac
     return targets, [t.conversion for t in targets if t.conversion], skipped
 
 
-def _live_table(targets: list[Target], settings: dict, progress: bool, live: LiveTable | None) -> LiveTable:
-    if live is not None:
-        return live
-    columns = [c for c in QUICK_COLUMNS if c[0] not in ("fraction_of_ceiling", "mb_per_s_read")
-               and (c[0] != "data_stall" or settings["step_ms"])
-               and (c[0] != "eviction_ok" or "cold" in settings["caches"])]
+def _live_columns(settings: dict) -> list[tuple[str, str, str]]:
+    """The live table's columns: those known as each row finishes (not the ceilings, measured along the rows)."""
+    left_out = {"fraction_of_ceiling", "mb_per_s_read", *(() if settings["step_ms"] else ("data_stall",)),
+                *(() if "cold" in settings["caches"] else ("eviction_ok",))}
+    return [c for c in QUICK_COLUMNS if c[0] not in left_out]
+
+
+def _live_widths(targets: list[Target], settings: dict) -> list[int]:
     texts = {"dataset": [t.dataset for t in targets], "store": [t.store for t in targets],
-             "pipeline": settings["pipelines"], "cache": settings["caches"], "workers": ["99"],
-             "eviction_ok": ["yes"]}
-    return LiveTable(columns, widths_for(columns, texts), enabled=progress)
+             "pipeline": settings["pipelines"], "cache": settings["caches"], "workers": ["99"], "eviction_ok": ["yes"]}
+    return widths_for(_live_columns(settings), texts)
 
 
 def _quick(src: Path, work: Path, variants: list[Variant], settings: dict, packed: Sequence, limits: bool,
@@ -230,10 +232,11 @@ def _quick(src: Path, work: Path, variants: list[Variant], settings: dict, packe
     started = time.perf_counter()
     machine = machine_info(work, src)
     folder = folder_target(src, settings["read_resize"], settings["read_crop"])
-    table = _live_table([folder], settings, progress, live)
-    targets, conversions, skipped = _targets(src, work, variants, settings, packed, folder, table)
-    table = _live_table([folder, *targets], settings, progress, live)
+    table = live or LiveTable(_live_columns(settings), _live_widths([folder], settings), enabled=progress)
     try:
+        targets, conversions, skipped = _targets(src, work, variants, settings, packed, folder, table)
+        if live is None:
+            table.widths = _live_widths([folder, *targets], settings)
         expected = output_signature(folder)
         for target in targets:
             check_signature(output_signature(target), expected, str(target.root))
@@ -245,7 +248,7 @@ def _quick(src: Path, work: Path, variants: list[Variant], settings: dict, packe
         for target in everything:
             measurer.target(target)
         rows = measurer.rows
-        default = rows[0]["workers"]
+        default = max(r["workers"] for r in rows)  # make_loader's default, or the most workers asked for
         settings["default_workers"] = default
         choice = choose(rows, default)
         if choice is not None and settings["workers"] is None and "warm" in settings["caches"]:

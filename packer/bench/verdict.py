@@ -65,13 +65,11 @@ def _same(rows: list[dict], row: dict, pipeline: str, cache: str, workers: int) 
     return packed, folder
 
 
-def _times(packed: dict | None, folder: dict | None) -> str | None:
+def _times(packed: dict | None, folder: dict | None, words: str = "img/s against ") -> str | None:
     if packed is None or folder is None or not folder["samples_per_s"]:
         return None
     ratio = packed["samples_per_s"] / folder["samples_per_s"]
-    slower = " (slower than the folder)" if ratio < 1 else ""
-    return (f"{ratio:.1f}x the folder{slower} ({packed['samples_per_s']:,.0f} img/s against "
-            f"{folder['samples_per_s']:,.0f})")
+    return f"{ratio:.1f}x the folder ({packed['samples_per_s']:,.0f} {words}{folder['samples_per_s']:,.0f})"
 
 
 def speed_lines(rows: list[dict], row: dict, workers: int) -> list[str]:
@@ -79,11 +77,11 @@ def speed_lines(rows: list[dict], row: dict, workers: int) -> list[str]:
     lines = []
     for pipeline in dict.fromkeys(r["pipeline"] for r in rows):
         warm = _times(*_same(rows, row, pipeline, "warm", workers))
-        cold = _times(*_same(rows, row, pipeline, "cold", workers))
+        cold = _times(*_same(rows, row, pipeline, "cold", workers), words="against ")
         if warm is None and cold is None:
             continue
-        parts = [f"{warm}, warm page cache" if warm else None, f"{cold}, cold" if cold else None]
-        lines.append(f"  {PIPELINE_WORDS.get(pipeline, pipeline)}: {'; '.join(p for p in parts if p)}")
+        parts = [f"{warm} warm" if warm else None, f"{cold} cold" if cold else None]
+        lines.append(f"  {PIPELINE_WORDS.get(pipeline, pipeline)}: {', '.join(p for p in parts if p)}")
     return lines
 
 
