@@ -24,8 +24,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import PackerError, UsageError
+from ..images.transforms import as_pair, parse_size
 from ..system import usable_cores
-from ..transforms import as_pair, parse_size
 from .limits import add_ceilings, interleaved_ceiling, measure_limits
 from .live import LiveTable, widths_for
 from .machine import load_average, machine_busy, machine_info
