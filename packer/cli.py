@@ -271,6 +271,9 @@ def verify(dest, deep, quiet) -> None:
 @click.option("--min-seconds", type=click.FloatRange(0, min_open=True), default=None,
               help="Each figure reads for at least this long, repeating the dataset's epochs [default: 1; not with "
               "--full].")
+@click.option("--images", type=click.IntRange(0), default=None,
+              help="Measure a random sample of this many images of a larger folder (0: all) [default: 2000; not with "
+              "--full].")
 @click.option("--compare", nargs=2, type=click.Path(path_type=str), default=None, metavar="A B",
               help="Print how run B's figures differ from run A's (results.json files, or the --out folders).")
 @click.option("--formats", default="lmdb,hdf5,wds", show_default=True, help="Formats to pack and read.")
@@ -317,9 +320,9 @@ def verify(dest, deep, quiet) -> None:
               "tuned for.")
 @click.option("--quiet", is_flag=True, help="No live table or progress bars.")
 @handle_errors
-def bench(src, full, min_seconds, compare, formats, stores, resize, center_crop, read_resize, read_crop, batch_size,
-          workers, epochs, caches, step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb, no_limits,
-          tune_dest, prefetch_factors, pipelines, quiet) -> None:
+def bench(src, full, min_seconds, images, compare, formats, stores, resize, center_crop, read_resize, read_crop,
+          batch_size, workers, epochs, caches, step_ms, repeats, prefetch_factor, packed, out, work, keep, disk_test_mb,
+          no_limits, tune_dest, prefetch_factors, pipelines, quiet) -> None:
     """Measure how fast SRC loads packed in each format against the folder itself, and say what to pack with.
 
     By default, in about a minute: each format with store jpeg and raw (where it fits the disk), read by
@@ -338,7 +341,7 @@ def bench(src, full, min_seconds, compare, formats, stores, resize, center_crop,
 
         click.echo("\n".join(compare_lines(*(load_results(p) for p in compare))))
         return
-    quick_only = {"--min-seconds": min_seconds}
+    quick_only = {"--min-seconds": min_seconds, "--images": images}
     full_only = {"--epochs": epochs, "--repeats": repeats, "--prefetch-factor": prefetch_factor}
     given = [name for name, value in (full_only if not full else quick_only).items() if value is not None]
     if given and not tune_dest:
@@ -382,7 +385,8 @@ def bench(src, full, min_seconds, compare, formats, stores, resize, center_crop,
                               disk_test_mb=384 if disk_test_mb is None else disk_test_mb, log=click.echo, **common)
     else:
         results = b.run_quick(src, stores=b.split_names(stores) if stores else None,
-                              min_seconds=min_seconds or b.MIN_SECONDS, disk_test_mb=disk_test_mb or 0, **common)
+                              min_seconds=min_seconds or b.MIN_SECONDS, disk_test_mb=disk_test_mb or 0,
+                              images=b.IMAGES if images is None else images or None, **common)
     click.echo(b.render_text(results), nl=False)
     click.echo(f"wrote {', '.join(results['outputs'].values())}")
     if results.get("work"):

@@ -56,7 +56,7 @@ from .limits import (
 from .machine import describe_load, describe_machine, filesystem_type, load_average, machine_info
 from .measure import WARMUP_BATCHES, EpochStats, add_speedups, build_loader, measure, output_signature, run_epochs
 from .pipelines import PIPELINES, open_train, parse_pipelines, train_size
-from .quick import MIN_SECONDS, run_quick, sweep_workers
+from .quick import IMAGES, MIN_SECONDS, run_quick, sample_folder, sweep_workers
 from .report import (
                      conversion_lines,
                      format_table,
@@ -74,15 +74,14 @@ from .tune import format_tune, noise_warning, tune, tune_workers
 from .verdict import pack_command, verdict
 
 __all__ = [
-    "DEFAULT_OUT", "MIN_SECONDS", "DecodePool", "EVICTED_BELOW", "EpochStats", "PIPELINES", "Size", "Target", "Variant",
-    "best_choice", "summary_lines",
-    "WARMUP_BATCHES", "add_ceilings", "add_speedups", "build_loader", "chart_workers", "conversion_lines",
-    "dataset_files", "decode_rates", "default_workers", "describe_load", "describe_machine", "disk_read_speed",
-    "evict", "filesystem_type", "folder_target", "format_table", "format_tune", "interleaved_ceiling", "limits_lines",
-    "load_average", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "noise_warning",
-    "open_train",
-    "optional_size", "output_signature", "pack_target", "packed_target", "parse_pipelines", "parse_variant", "plot",
-    "pack_command", "prewarm", "read_geometry", "render_markdown", "render_text", "resident_bytes",
-    "resident_fraction", "run_bench", "run_epochs", "run_quick", "split_ints", "split_names", "sweep_workers",
-    "train_size", "tune", "tune_workers", "verdict", "write_outputs"
+    "add_ceilings", "add_speedups", "best_choice", "build_loader", "chart_workers", "conversion_lines",
+    "dataset_files", "decode_rates", "DecodePool", "DEFAULT_OUT", "default_workers", "describe_load",
+    "describe_machine", "disk_read_speed", "EpochStats", "evict", "EVICTED_BELOW", "filesystem_type",
+    "folder_target", "format_table", "format_tune", "IMAGES", "interleaved_ceiling", "limits_lines", "load_average",
+    "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "MIN_SECONDS",
+    "noise_warning", "open_train", "optional_size", "output_signature", "pack_command", "pack_target",
+    "packed_target", "parse_pipelines", "parse_variant", "PIPELINES", "plot", "prewarm", "read_geometry",
+    "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench", "run_epochs", "run_quick",
+    "sample_folder", "Size", "split_ints", "split_names", "summary_lines", "sweep_workers", "Target", "train_size",
+    "tune", "tune_workers", "Variant", "verdict", "WARMUP_BATCHES", "write_outputs"
 ]

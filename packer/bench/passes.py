@@ -189,8 +189,8 @@ def _measured(passes: list[Pass], skip: int) -> tuple[float, int]:
 
 def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """``target`` read warm by one loader, for at least ``fig.min_seconds`` and :data:`MIN_BATCHES` batches per
-    worker (then as long again with the step, if any): a first pass of at least an epoch, then passes sized from
-    the rate measured so far."""
+    worker (then as long again with the step, if any): a first short pass, then passes sized from the rate
+    measured so far."""
     prewarm(target.files)
     resident = resident_fraction(target.files)
     ds = target.open()
@@ -200,7 +200,7 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
     least = MIN_BATCHES * skip
     where = f"{target.dataset} {target.store}"
     started = time.perf_counter()
-    sampler.length = max(len(ds), (SKIP_ABOVE * skip + 1) * fig.batch_size)
+    sampler.length = (SKIP_ABOVE * skip + 1) * fig.batch_size
     passes = [timed_pass(loader, 0.0, fig.expected, where)]
     stepped: list[Pass] = []
     first = passes[0].arrivals[0] if passes[0].arrivals else None
@@ -227,6 +227,15 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
     return row
 
 
+def _cold_length(count: int, warm_rate: float | None, fig: Figure, skip: int) -> int:
+    """Samples a cold epoch reads: all, or where they would take longer than ``fig.min_seconds`` at the warm rate,
+    as many whole batches as would take that long (never fewer than the batches left out, four times over)."""
+    if not warm_rate:
+        return count
+    batches = max(math.ceil(warm_rate * fig.min_seconds / fig.batch_size), SKIP_ABOVE * skip + 1)
+    return min(count, batches * fig.batch_size)
+
+
 def _next_kind(free: list[Pass], stepped: list[Pass], fig: Figure, skip: int) -> str | None:
     """Which kind of cold epoch to read next (alternating while both are short of the minimum time), or None."""
     need_free = not free or sum(p.span(skip)[1] for p in free) < fig.min_seconds
@@ -236,10 +245,12 @@ def _next_kind(free: list[Pass], stepped: list[Pass], fig: Figure, skip: int) ->
     return "free" if need_free else "stepped" if need_step else None
 
 
-def cold_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def cold_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None = None,
+                warm_rate: float | None = None) -> dict[str, Any]:
     """``target`` read cold: single epochs, each by a fresh loader whose workers started before the files were
     evicted, until ``fig.min_seconds`` were measured (and, with a step, as long again with the step), or
-    :data:`MAX_COLD_EPOCHS` epochs."""
+    :data:`MAX_COLD_EPOCHS` epochs. Where an epoch would take longer than ``fig.min_seconds`` at ``warm_rate``
+    (the target's warm rate, where measured), a random part of it that would not is read instead."""
     passes: list[Pass] = []
     stepped: list[Pass] = []
     resident: list[float | None] = []
@@ -263,7 +274,7 @@ def cold_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
         release_handles()
         evict(target.files)
         resident.append(resident_fraction(target.files))
-        sampler.length = len(ds)
+        sampler.length = _cold_length(len(ds), warm_rate, fig, max(1, loader.plan.workers))
         p = timed_pass(loader, fig.step_s if kind == "stepped" else 0.0, fig.expected, where)
         (stepped if kind == "stepped" else passes).append(p)
         first = first if first is not None or not p.arrivals else p.arrivals[0]

@@ -22,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import __version__
 from ..errors import PackerError, UsageError
 from ..images.transforms import as_pair, parse_size
@@ -38,6 +40,7 @@ from .verdict import choose, verdict
 
 DEFAULT_STORES = ("jpeg", "raw")
 MIN_SECONDS = 1.0
+IMAGES = 2000  # images of a larger folder measured (a sample): the choice depends on the images, not their number
 DISK_MARGIN = 0.8  # raw is packed only where it takes at most this fraction of the free space
 
 
@@ -76,6 +79,21 @@ def fitting(variants: list[Variant], formats: Sequence[str], count: int, source_
         needed += size
         kept.append(v)
     return kept, skipped
+
+
+def sample_folder(folder: Target, work: Path, images: int | None, seed: int = 0) -> Target:
+    """``folder`` itself, or where it has more than ``images`` images, a folder of links to a random sample of them
+    in ``work`` (their class folders kept), as a target."""
+    if not images or folder.count <= images:
+        return folder
+    chosen = sorted(np.random.default_rng(seed).choice(folder.count, images, replace=False).tolist())
+    root = work / "sample"
+    for i in chosen:
+        original = folder.files[i]
+        link = root / original.relative_to(folder.root)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(original.resolve())
+    return folder_target(root, folder.read_resize, folder.read_crop)
 
 
 @contextlib.contextmanager
@@ -126,8 +144,13 @@ class _Measurer:
         self.live.status(f"[{self.count}] {target.dataset} {target.store}, {target.pipeline}, {cache} cache{loader}...")
         if before is not None:
             before()
-        read = warm_figure if cache == "warm" else cold_figure
-        row = _row(target, read(target, fig), cache, s, self.output_bytes)
+        if cache == "warm":
+            figure = warm_figure(target, fig)
+        else:
+            warm = next((r for r in self.rows if (r["dataset"], r["store"], r["pipeline"], r["cache"]) == (
+                target.dataset, target.store, target.pipeline, "warm") and workers in (None, r["workers"])), None)
+            figure = cold_figure(target, fig, warm_rate=warm["samples_per_s"] if warm else None)
+        row = _row(target, figure, cache, s, self.output_bytes)
         _speedup(row, self.rows)
         self.rows.append(row)
         self.live.add(row)
@@ -158,11 +181,12 @@ def run_quick(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
               pipelines: Sequence[str] = ("train", "val"), packed: Sequence[str | os.PathLike] = (),
               out: str | os.PathLike | None = "bench-out", work: str | os.PathLike | None = None, keep: bool = False,
               limits: bool = True, disk_test_mb: int = 0, progress: bool = True, command: str | None = None,
-              live: LiveTable | None = None) -> dict[str, Any]:
+              images: int | None = IMAGES, live: LiveTable | None = None) -> dict[str, Any]:
     """Measure what decides the choice of format and store for ``src`` and return (and write to ``out``) every
     figure, the verdict first (``results["verdict"]["lines"]``). See the module docstring; ``workers`` None reads
-    with make_loader's default and then tries fewer workers on the chosen dataset. ``live`` prints each row as it
-    finishes (default: on stderr, unless ``progress`` is False)."""
+    with make_loader's default and then tries fewer workers on the chosen dataset. A folder of more than ``images``
+    images is measured on a random sample of them (None: all). ``live`` prints each row as it finishes (default: on
+    stderr, unless ``progress`` is False)."""
     src_given = str(src)
     src = Path(src)
     read_resize, read_crop = _size(read_resize), _size(read_crop)
@@ -179,7 +203,8 @@ def run_quick(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
     settings = {"mode": "quick", "src_given": src_given, "formats": list(formats), "batch_size": batch_size,
                 "workers": list(workers) if workers is not None else None, "caches": list(caches),
                 "step_ms": step_ms, "min_seconds": min_seconds, "read_resize": read_resize, "read_crop": read_crop,
-                "pipelines": pipelines, "packed": [str(p) for p in packed], "disk_test_mb": disk_test_mb}
+                "pipelines": pipelines, "packed": [str(p) for p in packed], "disk_test_mb": disk_test_mb,
+                "images": images}
     try:
         with frozen_gc():
             results = _quick(src, work_dir, variants, settings, packed, limits, progress, live)
@@ -209,7 +234,7 @@ def _targets(src: Path, work: Path, variants: list[Variant], settings: dict, pac
     targets = []
     for v in variants:
         for fmt in settings["formats"]:
-            live.status(f"packing {src} as {fmt}, store {v.label}...")
+            live.status(f"packing {folder.count} images as {fmt}, store {v.label}...")
             targets.append(pack_target(src, work, fmt, v, folder.bytes_on_disk, r, c, False))
     return targets, [t.conversion for t in targets if t.conversion], skipped
 
@@ -231,10 +256,11 @@ def _quick(src: Path, work: Path, variants: list[Variant], settings: dict, packe
            progress: bool, live: LiveTable | None) -> dict[str, Any]:
     started = time.perf_counter()
     machine = machine_info(work, src)
-    folder = folder_target(src, settings["read_resize"], settings["read_crop"])
+    whole = folder_target(src, settings["read_resize"], settings["read_crop"])
+    folder = whole if packed else sample_folder(whole, work, settings["images"])
     table = live or LiveTable(_live_columns(settings), _live_widths([folder], settings), enabled=progress)
     try:
-        targets, conversions, skipped = _targets(src, work, variants, settings, packed, folder, table)
+        targets, conversions, skipped = _targets(folder.root, work, variants, settings, packed, folder, table)
         if live is None:
             table.widths = _live_widths([folder, *targets], settings)
         expected = output_signature(folder)
@@ -263,7 +289,8 @@ def _quick(src: Path, work: Path, variants: list[Variant], settings: dict, packe
         add_ceilings(rows, everything, limit_info)
     return {"mode": "quick", "packer_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine, "settings": settings,
-            "source": {"root": str(src.resolve()), "images": folder.count, "bytes": folder.bytes_on_disk},
+            "source": {"root": str(src.resolve()), "images": folder.count, "bytes": folder.bytes_on_disk,
+                       "all_images": whole.count, "all_bytes": whole.bytes_on_disk},
             "output": {"shape": list(expected[:3]), "dtype": expected[3]}, "limits": limit_info,
             "conversions": conversions, "skipped": skipped, "rows": rows,
             "notes": quick_notes(settings, rows, machine, SKIP_ABOVE),

@@ -92,11 +92,18 @@ def _mb(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
-def disk_lines(src: str, rows: list[dict], choice: dict[str, Any], source_bytes: int, workers: int) -> list[str]:
-    """The chosen dataset's size against the folder's, and the fastest choice smaller on disk."""
-    row = choice["row"]
-    lines = [f"  on disk: {_mb(row['bytes_on_disk'])}, {row['bytes_on_disk'] / source_bytes:.2f}x the folder's "
-             f"{_mb(source_bytes)}" if source_bytes else f"  on disk: {_mb(row['bytes_on_disk'])}"]
+def disk_lines(src: str, rows: list[dict], choice: dict[str, Any], source: dict[str, Any], workers: int) -> list[str]:
+    """The chosen dataset's size against the folder's (and for the whole folder, where a sample was measured), and
+    the fastest choice smaller on disk."""
+    row, source_bytes = choice["row"], source["bytes"]
+    line = f"  on disk: {_mb(row['bytes_on_disk'])}"
+    if source_bytes:
+        line += f", {row['bytes_on_disk'] / source_bytes:.2f}x the folder's {_mb(source_bytes)}"
+    everything = source.get("all_images") or source.get("images")
+    if everything and source.get("images") and everything > source["images"]:
+        line += (f" for the {source['images']:,} images measured: about "
+                 f"{_mb(row['bytes_on_disk'] * everything / source['images'])} for all {everything:,}")
+    lines = [line]
     packed = [r for r in _steady(rows, choice["pipeline"], "warm", workers) if r["dataset"] != "folder"]
     smaller = [r for r in packed if r["bytes_on_disk"] <= SMALLER * row["bytes_on_disk"]]
     if not smaller:
@@ -148,7 +155,7 @@ def verdict(results: dict[str, Any]) -> dict[str, Any]:
     if packed and folder and packed["samples_per_s"] < folder["samples_per_s"]:
         lines[0] += "  (though no packed dataset read faster than the folder here)"
     lines += speed_lines(rows, row, workers)
-    lines += disk_lines(src, rows, choice, results["source"]["bytes"], workers)
+    lines += disk_lines(src, rows, choice, results["source"], workers)
     line = worker_line(rows, row, choice["pipeline"], settings["batch_size"], settings["step_ms"])
     if line:
         lines.append(line)
