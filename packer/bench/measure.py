@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 import time
@@ -18,6 +17,8 @@ from .cache import EVICTED_BELOW, evict, prewarm, release_handles, resident_frac
 from .targets import Target
 
 WARMUP_BATCHES = 2  # batches of epoch 1 left out of its rate: worker start-up and first-touch costs
+SKIP_ABOVE = 4  # a quick run's pass leaves out its first batches only with this many batches per batch left out
+CHUNKS = 5  # parts of a pass whose rates give a quick run's figure its noise
 
 
 @dataclass
@@ -77,6 +78,82 @@ def output_signature_of(images: Any) -> tuple:
     return (*(int(x) for x in images.shape[1:]), str(images.dtype).replace("torch.", ""))
 
 
+@dataclass
+class Pass:
+    """One pass of a loader: for each batch, its size and bytes, when ``next()`` was called for it and how long it
+    waited, and its arrival, all in seconds since ``iter(loader)`` (the first wait counts ``iter`` itself); the
+    training step slept after each batch, and when the last one ended."""
+
+    sizes: list[int] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    step_s: float = 0.0
+    end: float = 0.0
+    signature: tuple | None = None
+
+    def skipped(self, skip: int) -> int:
+        """The batches left out of the rate: ``skip``, where the pass is long enough for that to be fair."""
+        return skip if len(self.sizes) >= SKIP_ABOVE * max(1, skip) else 0
+
+    def span(self, skip: int) -> tuple[int, float]:
+        """(samples, seconds) the rate is taken over: from the arrival of the last batch left out."""
+        k = self.skipped(skip)
+        start = self.arrivals[k - 1] if k else 0.0
+        return sum(self.sizes[k:]), (self.arrivals[-1] - start) if self.arrivals else 0.0
+
+    def rate(self, skip: int) -> float:
+        samples, seconds = self.span(skip)
+        return samples / seconds if seconds else 0.0
+
+    def chunk_rates(self, skip: int, chunks: int = CHUNKS) -> list[float]:
+        """The rates of ``chunks`` consecutive parts of the timed batches (fewer where the pass is short), each of at
+        least two batches per worker: batches from several workers arrive together, so a shorter part could be
+        timed over almost no time."""
+        k = self.skipped(skip)
+        n = len(self.sizes) - k
+        size = max(2 * max(1, skip), n // chunks)
+        rates = []
+        for lo in range(k, k + (n // size) * size, size):
+            hi = lo + size
+            seconds = self.arrivals[hi - 1] - (self.arrivals[lo - 1] if lo else 0.0)
+            if seconds > 0:
+                rates.append(sum(self.sizes[lo:hi]) / seconds)
+        return rates
+
+
+def timed_pass(loader: Any, step_s: float = 0.0, expected: tuple | None = None, where: str = "",
+               bar: tqdm | None = None) -> Pass:
+    """Iterate one pass of ``loader``, timing each ``next()`` (checking the first batch's output against
+    ``expected``); sleep ``step_s`` after each batch, as a training step would."""
+    result = Pass(step_s=step_s)
+    start = t = time.perf_counter()
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        got = time.perf_counter()
+        images = batch[0]
+        if not result.sizes:
+            result.signature = check_signature(output_signature_of(images), expected, where)
+        result.sizes.append(len(images))
+        result.nbytes.append(images.numel() * images.element_size())
+        result.starts.append(t - start)
+        result.waits.append(got - t)
+        result.arrivals.append(got - start)
+        del batch, images  # the loader reuses a batch's memory once nothing refers to it
+        if step_s:
+            time.sleep(step_s)
+        if bar is not None:
+            bar.update(result.sizes[-1])
+        t = time.perf_counter()
+        result.end = t - start
+    return result
+
+
 def run_epochs(loader: Any, epochs: int, step_s: float = 0.0, skip: int = WARMUP_BATCHES,
                expected: tuple | None = None, where: str = "", bar: tqdm | None = None) -> list[EpochStats]:
     """Iterate ``epochs`` epochs of ``loader``, sleeping ``step_s`` per batch as a training step would.
@@ -85,35 +162,13 @@ def run_epochs(loader: Any, epochs: int, step_s: float = 0.0, skip: int = WARMUP
     measure something; every epoch records the time from ``iter(loader)`` to its first batch."""
     results = []
     for epoch in range(epochs):
-        stats = EpochStats()
-        drop = min(skip, len(loader) // 2) if epoch == 0 else 0
-        stats.skipped_batches = drop
-        t = time.perf_counter()
-        it = iter(loader)
-        for i in itertools.count():
-            if i > 0:
-                t = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            got = time.perf_counter()
-            images = batch[0]
-            if i == 0:
-                stats.first_batch_s = got - t
-                expected = check_signature(output_signature_of(images), expected, where)
-            if step_s:
-                time.sleep(step_s)
-            stats.batches += 1
-            if i >= drop:
-                stats.samples += len(images)
-                stats.decoded_bytes += images.numel() * images.element_size()
-                stats.wait += got - t
-                stats.waits.append(got - t)
-                stats.seconds += time.perf_counter() - t
-            if bar is not None:
-                bar.update(len(images))
-        results.append(stats)
+        p = timed_pass(loader, step_s, expected, where, bar)
+        expected = expected or p.signature
+        drop = min(skip, len(p.sizes) // 2) if epoch == 0 else 0
+        results.append(EpochStats(samples=sum(p.sizes[drop:]), seconds=p.end - p.starts[drop] if p.sizes else 0.0,
+                                  wait=sum(p.waits[drop:]), decoded_bytes=sum(p.nbytes[drop:]),
+                                  first_batch_s=p.arrivals[0] if p.arrivals else 0.0, batches=len(p.sizes),
+                                  skipped_batches=drop, waits=p.waits[drop:]))
     return results
 
 
@@ -201,11 +256,11 @@ def measure(target: Target, settings: dict[str, Any], expected: tuple | None, ba
 
 
 def spread(rates: list[float]) -> float | None:
-    """The noise of a figure made of ``rates`` (of equal weight): the standard error of their mean, over it (None
-    under 3 of them)."""
-    if len(rates) < 3 or not statistics.fmean(rates):
+    """The noise of a figure made of ``rates`` (parts of its run, or its runs): their standard deviation over their
+    mean, how much the machine's speed moved while it was measured (None under 2 of them)."""
+    if len(rates) < 2 or not statistics.fmean(rates):
         return None
-    return statistics.stdev(rates) / len(rates) ** 0.5 / statistics.fmean(rates)
+    return statistics.stdev(rates) / statistics.fmean(rates)
 
 
 DEFAULT_NOISE = 0.05  # the noise taken for a rate whose own could not be measured

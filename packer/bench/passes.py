@@ -1,17 +1,18 @@
 """The quick benchmark's measurements: each figure reads for at least a minimum time, whatever the dataset's size.
 
 A warm figure keeps one loader (and its workers) and reads passes of a :class:`RepeatSampler`, which repeats the
-dataset's epochs back to back (a new permutation each), so that a small dataset is read as long as a large one
-would be without the pause at each epoch's end: a first pass of at least an epoch starts the workers and gives a
-first estimate of the rate, then passes sized by it until ``min_seconds`` were measured. A cold figure reads single
-epochs, each with a fresh loader whose workers were started before the dataset's files were evicted from the page
-cache (:func:`~packer.bench.cache.evict`), until ``min_seconds`` were measured.
+dataset's epochs back to back (a new permutation each), so that a small dataset is read as long as a large one would
+be without the pause at each epoch's end: a first short pass starts the workers and gives a first estimate of the
+rate, then passes sized by it until ``min_seconds`` were measured. A cold figure reads single epochs, each with a
+fresh loader whose workers were started before the dataset's files were evicted from the page cache
+(:func:`~packer.bench.cache.evict`), until ``min_seconds`` were measured.
 
 In every pass the first ``skip`` batches (one per worker process: the loader filling its workers) are left out of
 the rate, which runs from the arrival of the last skipped batch to that of the last one, where the pass has at least
-:data:`SKIP_ABOVE` batches per skipped one; a shorter pass is timed from ``iter(loader)``. With a training step
-(``step_s``), each pass is followed by one that sleeps ``step_s`` after each batch, as a training step on a GPU
-would leave the CPU to the loader: the waits in ``next()`` of that one are what the step waits for.
+:data:`~packer.bench.measure.SKIP_ABOVE` batches per skipped one; a shorter pass is timed from ``iter(loader)``.
+With a training step (``step_s``), a figure then reads as long again sleeping ``step_s`` after each batch, as a
+training step on a GPU would leave the CPU to the loader: the waits in ``next()`` of those passes are what the step
+waits for.
 """
 
 from __future__ import annotations
@@ -19,19 +20,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .cache import evict, prewarm, release_handles, resident_fraction
-from .measure import build_loader, check_signature, output_signature_of, spread, wait_summary
+from .measure import SKIP_ABOVE, Pass, build_loader, spread, timed_pass, wait_summary
 from .targets import Target
 
 MIN_BATCHES = 6  # batches per worker a warm figure measures at the least, whatever its time
-SKIP_ABOVE = 4  # a pass leaves out its first batches only with this many batches per batch left out
 MAX_COLD_EPOCHS = 12  # cold epochs a figure reads at most (each starts a loader and evicts the files)
-CHUNKS = 5  # parts of a pass whose rates give the figure's noise
 
 
 class RepeatSampler(torch.utils.data.Sampler):
@@ -54,70 +53,6 @@ class RepeatSampler(torch.utils.data.Sampler):
             yield self._left.pop()
 
 
-@dataclass
-class Pass:
-    """One pass of a loader: for each batch, its size, the time ``next()`` waited for it and its arrival since
-    ``iter(loader)``; the training step slept after each batch."""
-
-    sizes: list[int] = field(default_factory=list)
-    waits: list[float] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)
-    step_s: float = 0.0
-
-    def skipped(self, skip: int) -> int:
-        """The batches left out of the rate: ``skip``, where the pass is long enough for that to be fair."""
-        return skip if len(self.sizes) >= SKIP_ABOVE * max(1, skip) else 0
-
-    def span(self, skip: int) -> tuple[int, float]:
-        """(samples, seconds) the rate is taken over."""
-        k = self.skipped(skip)
-        start = self.arrivals[k - 1] if k else 0.0
-        return sum(self.sizes[k:]), (self.arrivals[-1] - start) if self.arrivals else 0.0
-
-    def chunk_rates(self, skip: int, chunks: int = CHUNKS) -> list[float]:
-        """The rates of ``chunks`` consecutive parts of the timed batches (fewer where the pass is short), each of at
-        least two batches per worker: batches from several workers arrive together, so a shorter part could be
-        timed over almost no time."""
-        k = self.skipped(skip)
-        n = len(self.sizes) - k
-        size = max(2 * max(1, skip), n // chunks)
-        rates = []
-        for lo in range(k, k + (n // size) * size, size):
-            hi = lo + size
-            seconds = self.arrivals[hi - 1] - (self.arrivals[lo - 1] if lo else 0.0)
-            if seconds > 0:
-                rates.append(sum(self.sizes[lo:hi]) / seconds)
-        return rates
-
-    def rate(self, skip: int) -> float:
-        samples, seconds = self.span(skip)
-        return samples / seconds if seconds else 0.0
-
-
-def timed_pass(loader: Any, step_s: float = 0.0, expected: tuple | None = None, where: str = "") -> Pass:
-    """Iterate one pass of ``loader``, timing each ``next()``; sleep ``step_s`` after each batch."""
-    result = Pass(step_s=step_s)
-    start = time.perf_counter()
-    it = iter(loader)
-    while True:
-        t = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        got = time.perf_counter()
-        images = batch[0]
-        if not result.sizes:
-            check_signature(output_signature_of(images), expected, where)
-        result.sizes.append(len(images))
-        result.waits.append(got - t)
-        result.arrivals.append(got - start)
-        del batch, images  # the loader reuses a batch's memory once nothing refers to it
-        if step_s:
-            time.sleep(step_s)
-    return result
-
-
 def pass_figures(passes: list[Pass], stepped: list[Pass], skip: int) -> dict[str, Any]:
     """What a figure's passes give: the rate over all of them, its noise, and the waits per batch (those of the
     stepped passes where there are any: what the step waits for), each pass's skipped batches left out."""
@@ -127,7 +62,7 @@ def pass_figures(passes: list[Pass], stepped: list[Pass], skip: int) -> dict[str
         n, s = p.span(skip)
         samples, seconds = samples + n, seconds + s
         chunks += p.chunk_rates(skip)
-    if len(chunks) < 3:  # passes too short to cut into parts (cold epochs of a small dataset): one rate each
+    if len(chunks) < 2:  # passes too short to cut into parts (cold epochs of a small dataset): one rate each
         chunks = [p.rate(skip) for p in passes]
     waits = [w for p in (stepped or passes) for w in p.waits[p.skipped(skip):]]
     figures: dict[str, Any] = {

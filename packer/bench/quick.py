@@ -30,11 +30,12 @@ from ..images.transforms import as_pair, parse_size
 from ..system import usable_cores
 from .limits import add_ceilings, interleaved_ceiling, measure_limits
 from .live import LiveTable, widths_for
-from .machine import load_average, machine_busy, machine_info
-from .measure import add_speedups, check_signature, evicted, output_signature, target_fields
-from .passes import SKIP_ABOVE, Figure, cold_figure, warm_figure
+from .machine import load_average, machine_info
+from .measure import SKIP_ABOVE, add_speedups, check_signature, evicted, output_signature, target_fields
+from .passes import Figure, cold_figure, warm_figure
 from .pipelines import parse_pipelines
-from .report import QUICK_COLUMNS, quick_notes, quick_warnings, write_outputs
+from .report import QUICK_COLUMNS, quick_notes, quick_warnings
+from .run import finish
 from .targets import Size, Target, Variant, folder_target, pack_target, packed_target, parse_variant
 from .verdict import choose, verdict
 
@@ -208,16 +209,13 @@ def run_quick(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
     try:
         with frozen_gc():
             results = _quick(src, work_dir, variants, settings, packed, limits, progress, live)
-        load["end"] = load_average()
-        load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
-        results["load_average"] = load
-        results["command"] = command or f"run_quick({src_given!r}, ...)"
-        results["verdict"] = verdict(results)
-        results["warnings"] = quick_warnings(results)
-        results["work"] = str(work_dir) if keep else None
-        if out is not None:
-            results["outputs"] = write_outputs(results, out)
-        return results
+
+        def judge(results: dict[str, Any]) -> None:
+            results["verdict"] = verdict(results)
+            results["warnings"] = quick_warnings(results)
+
+        return finish(results, load, command or f"run_quick({src_given!r}, ...)", work_dir if keep else None, out,
+                      judge)
     finally:
         if not keep:
             shutil.rmtree(work_dir, ignore_errors=True)

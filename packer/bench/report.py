@@ -219,8 +219,10 @@ def quick_notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, A
              "back to back through one loader; cold ones read single epochs, each by a fresh loader whose workers "
              "started before the dataset's files were evicted from the page cache",
              f"the loader is make_loader's default ({plan}); each rate leaves out the first batch of each worker "
-             f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± is the rate's "
-             "standard deviation over parts of its passes, over the rate",
+             f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± is the standard "
+             "deviation of the rates of parts of its passes, over their mean: how much the machine's speed moved "
+             "while it was measured (two figures differ beyond their noise where they differ by more than twice "
+             "their ± combined)",
              "wait p50/p95/max: the milliseconds next(loader) waited for a batch"
              + (f", while a simulated {settings['step_ms']:g} ms training step followed each batch; step waits: "
                 "the share of that loop's time spent waiting for data" if settings["step_ms"] else
@@ -239,16 +241,17 @@ NOISY = 0.25  # a rate whose noise is over this fraction of it is warned about
 
 
 def quick_warnings(results: dict[str, Any]) -> list[str]:
-    """Why some of a quick run's figures cannot be trusted, each with its reason: a busy machine, figures measured
-    for less than the minimum time, cold epochs too short to stand for a large dataset's, rates that moved a lot
+    """Why some of a quick run's figures cannot be trusted, each with its reason: a busy machine, figures on too few
+    batches to tell their noise, cold epochs too short to stand for a large dataset's, rates that moved a lot
     while measured."""
     rows, settings = results["rows"], results["settings"]
     found = [busy_warning(results["load_average"])] if results["load_average"].get("busy") else []
-    short = [r for r in rows if r["seconds"] < settings["min_seconds"] / 2]
-    if short:
-        found.append(f"{len(short)} figures were measured for under {settings['min_seconds'] / 2:g} s (the shortest: "
-                     f"{min(r['seconds'] for r in short):.2f} s over {min(r['batches'] for r in short)} batches), "
-                     "as long as the time allowed them: run with a larger --min-seconds")
+    unknown = [r for r in rows if r.get("noise") is None]
+    if unknown:
+        fewest = min(unknown, key=lambda r: r["batches"])
+        found.append(f"{len(unknown)} figures rest on too few batches to say how much they vary (the fewest: "
+                     f"{fewest['dataset']} {fewest['store']} {fewest['pipeline']} {fewest['cache']}, "
+                     f"{fewest['batches']} batches in {fewest['seconds']:.2f} s): run with a larger --min-seconds")
     batches = math.ceil(results["source"]["images"] / settings["batch_size"])
     cold = [r for r in rows if r["cache"] == "cold" and batches < 4 * max(1, r["workers"])]
     if cold:

@@ -101,18 +101,30 @@ def run_bench(src: str | os.PathLike, *, formats: Sequence[str] = ("lmdb", "hdf5
             "usable cores")
     try:
         results = _bench(src, work_dir, variants, settings, packed, limits, progress)
-        load["end"] = load_average()
-        load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
-        results["load_average"] = load
-        results["warnings"] = figure_warnings(results["batches_per_epoch"], load)
-        results["command"] = command or f"run_bench({str(src)!r}, ...)"
-        results["work"] = str(work_dir) if keep else None
-        if out is not None:
-            results["outputs"] = write_outputs(results, out)
-        return results
+
+        def judge(results: dict[str, Any]) -> None:
+            results["warnings"] = figure_warnings(results["batches_per_epoch"], load)
+
+        return finish(results, load, command or f"run_bench({str(src)!r}, ...)", work_dir if keep else None, out,
+                      judge)
     finally:
         if not keep:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def finish(results: dict[str, Any], load: dict[str, Any], command: str, kept: Path | None,
+           out: str | os.PathLike | None, judge: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """A run's last steps: the load average at its end, its command, what ``judge`` concludes from them (warnings,
+    a verdict), where its packs were kept, and its files written to ``out`` (when given)."""
+    load["end"] = load_average()
+    load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
+    results["load_average"] = load
+    results["command"] = command
+    judge(results)
+    results["work"] = str(kept) if kept else None
+    if out is not None:
+        results["outputs"] = write_outputs(results, out)
+    return results
 
 
 def _bench(src: Path, work: Path, variants: list[Variant], settings: dict, packed: Sequence,

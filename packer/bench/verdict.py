@@ -44,15 +44,20 @@ def _steady(rows: list[dict], pipeline: str, cache: str, workers: int) -> list[d
     return [r for r in steady(rows, cache) if r["pipeline"] == pipeline and r["workers"] == workers]
 
 
+def _closest(packed: list[dict]) -> tuple[dict, dict]:
+    """The smallest on disk of the rows within their noise of the fastest, and the fastest."""
+    best = max(packed, key=lambda r: r["samples_per_s"])
+    close = [r for r in packed if change(best, r)["within"]]
+    return min(close, key=lambda r: (r["bytes_on_disk"], -r["samples_per_s"])), best
+
+
 def choose(rows: list[dict], workers: int) -> dict[str, Any] | None:
     """The chosen packed row and its pipeline: among the warm rows read with ``workers`` of the training pipeline
     (else validation), the smallest on disk of those within their noise of the fastest; None without any."""
     for pipeline in ("train", "val"):
         packed = [r for r in _steady(rows, pipeline, "warm", workers) if r["dataset"] != "folder"]
         if packed:
-            best = max(packed, key=lambda r: r["samples_per_s"])
-            close = [r for r in packed if change(best, r)["within"]]
-            row = min(close, key=lambda r: (r["bytes_on_disk"], -r["samples_per_s"]))
+            row, best = _closest(packed)
             return {"row": row, "pipeline": pipeline, "fastest": best}
     return None
 
@@ -109,7 +114,7 @@ def disk_lines(src: str, rows: list[dict], choice: dict[str, Any], source: dict[
     if not smaller:
         lines.append("  if disk is short: this is the smallest on disk of those measured")
         return lines
-    other = max(smaller, key=lambda r: r["samples_per_s"])
+    other = _closest(smaller)[0]
     speeds = [f"{pipeline} {t.split(' (')[0]}" for pipeline in ("train", "val")
               if (t := _times(*_same(rows, other, pipeline, "warm", workers)))]
     ratio = f", {other['bytes_on_disk'] / source_bytes:.2f}x the folder's size" if source_bytes else ""
