@@ -2,10 +2,10 @@
 
 A warm figure keeps one loader (and its workers) and reads passes of a :class:`RepeatSampler`, which repeats the
 dataset's epochs back to back (a new permutation each), so that a small dataset is read as long as a large one would
-be without the pause at each epoch's end: a first short pass starts the workers and gives a first estimate of the
-rate, then passes sized by it until ``min_seconds`` were measured. A cold figure reads single epochs, each with a
-fresh loader whose workers were started before the dataset's files were evicted from the page cache
-(:func:`~packer.bench.cache.evict`), until ``min_seconds`` were measured.
+be without the pause at each epoch's end: a first short pass, not counted, starts the workers and gives a first
+estimate of the rate, then passes sized by it until ``min_seconds`` were measured. A cold figure reads single
+epochs, each with a fresh loader whose workers were started before the dataset's files were evicted from the page
+cache (:func:`~packer.bench.cache.evict`), until ``min_seconds`` were measured.
 
 In every pass the first ``skip`` batches (one per worker process: the loader filling its workers) are left out of
 the rate, which runs from the arrival of the last skipped batch to that of the last one, where the pass has at least
@@ -53,23 +53,25 @@ class RepeatSampler(torch.utils.data.Sampler):
             yield self._left.pop()
 
 
-def pass_figures(passes: list[Pass], stepped: list[Pass], skip: int) -> dict[str, Any]:
+def pass_figures(passes: list[Pass], stepped: list[Pass], skip: int, by_pass: bool = False) -> dict[str, Any]:
     """What a figure's passes give: the rate over all of them, its noise, and the waits per batch (those of the
-    stepped passes where there are any: what the step waits for), each pass's skipped batches left out."""
+    stepped passes where there are any: what the step waits for), each pass's skipped batches left out. The noise
+    is the spread of the rates of parts of the passes, or with ``by_pass`` of the passes themselves (cold epochs,
+    whose rate climbs within each as the first reads make way for the later ones), where there are 2 or more."""
     samples = seconds = 0.0
-    chunks: list[float] = []
+    parts: list[float] = []
     for p in passes:
         n, s = p.span(skip)
         samples, seconds = samples + n, seconds + s
-        chunks += p.chunk_rates(skip)
-    if len(chunks) < 2:  # passes too short to cut into parts (cold epochs of a small dataset): one rate each
-        chunks = [p.rate(skip) for p in passes]
+        parts += p.chunk_rates(skip)
+    if (by_pass and len(passes) >= 2) or len(parts) < 2:
+        parts = [p.rate(skip) for p in passes]
     waits = [w for p in (stepped or passes) for w in p.waits[p.skipped(skip):]]
     figures: dict[str, Any] = {
         "samples": int(samples), "seconds": seconds, "samples_per_s": samples / seconds if seconds else 0.0,
         "batches": sum(len(p.sizes) for p in passes), "passes": len(passes),
         "skipped_batches": sum(p.skipped(skip) for p in passes),
-        "noise": spread(chunks), "samples_per_s_chunks": chunks,
+        "noise": spread(parts), "samples_per_s_parts": parts,
         **wait_summary(waits), "waits_ms": [round(w * 1e3, 3) for w in waits], "data_stall": None,
     }
     if stepped:
@@ -124,8 +126,9 @@ def _measured(passes: list[Pass], skip: int) -> tuple[float, int]:
 
 def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """``target`` read warm by one loader, for at least ``fig.min_seconds`` and :data:`MIN_BATCHES` batches per
-    worker (then as long again with the step, if any): a first short pass, then passes sized from the rate
-    measured so far."""
+    worker (then as long again with the step, if any): a short pass that is not counted (the workers' first
+    batches are slower for longer than the batches any pass leaves out: first touches of the dataset and of the
+    batch memory), then passes sized from the rate measured so far."""
     prewarm(target.files)
     resident = resident_fraction(target.files)
     ds = target.open()
@@ -136,9 +139,10 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
     where = f"{target.dataset} {target.store}"
     started = time.perf_counter()
     sampler.length = (SKIP_ABOVE * skip + 1) * fig.batch_size
-    passes = [timed_pass(loader, 0.0, fig.expected, where)]
+    warmup = timed_pass(loader, 0.0, fig.expected, where)
+    estimate = max(warmup.chunk_rates(skip) or [warmup.rate(skip)])
+    passes: list[Pass] = []
     stepped: list[Pass] = []
-    first = passes[0].arrivals[0] if passes[0].arrivals else None
     for done, step_s in ((passes, 0.0), (stepped, fig.step_s)):
         if done is stepped and not step_s:
             break
@@ -147,7 +151,8 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
             if done and ((seconds >= fig.min_seconds and batches >= least)
                          or time.perf_counter() - started > fig.max_seconds):
                 break
-            rate = sum(p.span(skip)[0] for p in passes) / max(_measured(passes, skip)[0], 1e-9)
+            measured = _measured(passes, skip)[0]
+            rate = sum(p.span(skip)[0] for p in passes) / measured if measured else estimate
             sampler.length = _size_pass(rate, fig.min_seconds - seconds, least - batches, fig.batch_size,
                                         step_s, skip)
             if status is not None:
@@ -158,7 +163,8 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
     del loader, ds
     release_handles()
     row = pass_figures(passes, stepped, skip)
-    row.update(first_batch_s=first, threads=threads, plan=plan, resident_before=resident, epochs_read=sampler.epoch)
+    row.update(first_batch_s=warmup.arrivals[0] if warmup.arrivals else None, threads=threads, plan=plan,
+               resident_before=resident, epochs_read=sampler.epoch)
     return row
 
 
@@ -217,7 +223,7 @@ def cold_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
         _stop(loader)
         del loader, ds
         release_handles()
-    row = pass_figures(passes, stepped, skip)
+    row = pass_figures(passes, stepped, skip, by_pass=True)
     known = None if any(r is None for r in resident) else max(r for r in resident if r is not None)
     row.update(first_batch_s=first, threads=threads, plan=plan, resident_before=known, epochs_read=len(passes))
     return row

@@ -216,13 +216,14 @@ def quick_notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, A
     """How the quick run measured, in a few lines."""
     plan = rows[0]["plan"] if rows else "?"
     found = [f"each figure reads for at least {settings['min_seconds']:g} s: warm ones repeat the dataset's epochs "
-             "back to back through one loader; cold ones read single epochs, each by a fresh loader whose workers "
-             "started before the dataset's files were evicted from the page cache",
+             "back to back through one loader, after a short pass that is not counted; cold ones read single epochs "
+             "(or a part of a long one), each by a fresh loader whose workers started before the dataset's files "
+             "were evicted from the page cache",
              f"the loader is make_loader's default ({plan}); each rate leaves out the first batch of each worker "
              f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± is the standard "
-             "deviation of the rates of parts of its passes, over their mean: how much the machine's speed moved "
-             "while it was measured (two figures differ beyond their noise where they differ by more than twice "
-             "their ± combined)",
+             "deviation of the rates of parts of its passes (of a cold figure: of its epochs), over their mean: how "
+             "much the machine's speed moved while it was measured (two figures differ beyond their noise where they "
+             "differ by more than twice their ± combined)",
              "wait p50/p95/max: the milliseconds next(loader) waited for a batch"
              + (f", while a simulated {settings['step_ms']:g} ms training step followed each batch; step waits: "
                 "the share of that loop's time spent waiting for data" if settings["step_ms"] else

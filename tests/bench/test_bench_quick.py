@@ -128,7 +128,7 @@ def test_results_json_keeps_every_figure_with_machine_command_load_and_versions(
     assert results["mode"] == "quick" and results["command"].startswith("packer bench src ")
     assert set(results["machine"]["versions"]) >= {"torch", "numpy", "pillow", "simplejpeg", "h5py", "lmdb"}
     assert len(results["load_average"]["start"]) == len(results["load_average"]["end"]) == 3
-    for key in ("samples_per_s", "noise", "samples_per_s_chunks", "wait_p50_ms", "wait_p95_ms", "wait_max_ms",
+    for key in ("samples_per_s", "noise", "samples_per_s_parts", "wait_p50_ms", "wait_p95_ms", "wait_max_ms",
                 "waits_ms", "batches", "seconds", "speedup_vs_folder", "bytes_on_disk", "plan"):
         assert all(key in r for r in results["rows"]), key
     assert {(c["dataset"], c["store"]) for c in results["conversions"]} == {(f, s) for f in FORMATS for s in STORES}
