@@ -339,7 +339,8 @@ def bench(src, full, min_seconds, images, compare, formats, stores, resize, cent
             raise UsageError("give --compare A B alone, without SRC or --tune")
         from .bench.compare import compare_lines, load_results
 
-        click.echo("\n".join(compare_lines(*(load_results(p) for p in compare))))
+        first, second = (load_results(p) for p in compare)
+        click.echo("\n".join(compare_lines(first, second)))
         return
     quick_only = {"--min-seconds": min_seconds, "--images": images}
     full_only = {"--epochs": epochs, "--repeats": repeats, "--prefetch-factor": prefetch_factor}
