@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..formats import close_all
+
 BLOCK = 8 << 20
 EVICTED_BELOW = 0.01  # resident fraction under which an eviction counts as done
 
@@ -123,7 +125,5 @@ def release_handles() -> None:
     environments). Only call this with no loader running: closing a map under a reading thread crashes. The
     datasets reopen lazily; mincore then says whether anything was left mapped."""
     gc.collect()
-    from ..formats import close_all
-
     close_all()
 

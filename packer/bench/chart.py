@@ -96,7 +96,8 @@ def _series(results: dict[str, Any]) -> list[tuple[str, int]]:
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> bool:
     """The chart (see the module docstring) of a quick or a --full run. False without matplotlib."""
-    try:
+    try:  # imported here, not at load: every bench command imports this module, the chart is drawn last, pyplot
+        # is the slowest import bench has, and a run without matplotlib still measures (it says why no chart)
         import matplotlib
 
         matplotlib.use("Agg")

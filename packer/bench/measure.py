@@ -13,6 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import PackerError
+from ..loading.loader import make_loader
 from .cache import EVICTED_BELOW, evict, prewarm, release_handles, resident_fraction
 from .targets import Target
 
@@ -55,8 +56,6 @@ def build_loader(ds: Any, batch_size: int, workers: int | None, prefetch_factor:
     Returns:
         The loader, and the decode threads each of its processes uses.
     """
-    from ..loading.loader import make_loader
-
     kwargs: dict[str, Any] = {**({} if workers is None else {"num_workers": workers}), **overrides}
     if workers and prefetch_factor:
         kwargs["prefetch_factor"] = prefetch_factor

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UsageError
+from ..reading.dataset import open_dataset
+from ..reading.folder import FolderDataset
 
 PIPELINES = ("val", "train")
 
@@ -34,9 +36,5 @@ def open_train(dataset: str, root: Any, size: tuple[int, int]) -> Any:
     """The dataset read through the train pipeline: the folder with Pillow (the baseline), a packed one with the
     default decoder."""
     if dataset == "folder":
-        from ..reading.folder import FolderDataset
-
         return FolderDataset(root, decoder="pil", random_resized_crop=size, flip=True)
-    from ..reading.dataset import open_dataset
-
     return open_dataset(root, random_resized_crop=size, flip=True)

@@ -11,6 +11,8 @@ import tempfile
 import time
 from typing import Any
 
+from ..loading.loader import make_loader
+from ..reading.dataset import open_dataset
 from ..remote.fetch import STATS
 from .cache import evict
 
@@ -34,8 +36,6 @@ def bench_url(url: str, batch_size: int = 64, workers: int = 0, resize: int | tu
     Returns:
         the four rows, in that order.
     """
-    from .. import make_loader, open_dataset
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="packer-bench-") as cache_dir:
 

@@ -19,6 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ..loading.sampler import ResumableSampler
+from ..loading.stream import stream
+from ..packing.pack import pack
+from ..reading.dataset import open_dataset
+
 
 def batch_mixing(labels: Sequence[int] | np.ndarray, batch_size: int) -> float:
     """Mean total-variation distance between each batch's label histogram and the whole sequence's.
@@ -67,8 +72,6 @@ def sampler_labels(labels: Sequence[int] | np.ndarray, batch_size: int, shuffle:
     """The labels in the order ``make_loader(ds, batch_size, shuffle=..., seed=...)`` yields them in ``epoch``
     on one rank, without decoding an image (``labels``: the dataset's labels by index; ``blocks``, ``window``:
     ``shuffle="blocks"``'s)."""
-    from ..loading.sampler import ResumableSampler
-
     sampler = ResumableSampler(len(labels), batch_size, shuffle=shuffle, seed=seed, num_replicas=1, rank=0,
                                blocks=blocks, window=window)
     sampler.set_epoch(epoch)
@@ -90,9 +93,6 @@ def shuffle_quality(wds_root: str | os.PathLike, batch_size: int, buffers: Seque
         One row per order: ``{"order", "mixing"}``, the packed order first (the worst case), then
         ``shuffle=True`` (a full permutation, the best an order can do), then each stream buffer.
     """
-    from ..loading.stream import stream
-    from ..reading.dataset import open_dataset
-
     ds = open_dataset(wds_root)
     labels = np.asarray([ds.raw_sample(i)[1] for i in range(len(ds))], dtype=np.int64)
     rows = [{"order": "packed order (no shuffle)", "mixing": batch_mixing(labels, batch_size)},
@@ -109,8 +109,6 @@ def measure_shuffle_quality(src: str | os.PathLike, work: str | os.PathLike, bat
                             progress: bool = False) -> dict[str, Any]:
     """Pack ``src`` into ``work`` as a small WebDataset in class order (jpeg, 32 px: only labels matter), then
     :func:`shuffle_quality` on it; ``packer bench``'s shuffle-quality section."""
-    from ..packing.pack import pack
-
     dest = Path(work) / "shuffle-quality-wds"
     pack(src, dest, "wds", shuffle=False, store="jpeg", resize=32, center_crop=32, progress=progress)
     return {"batch_size": batch_size, "rows": shuffle_quality(dest, batch_size)}

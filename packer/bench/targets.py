@@ -9,6 +9,10 @@ from typing import Any
 
 from ..errors import PackerError, UsageError
 from ..images.transforms import STORES, as_pair, parse_size
+from ..manifest import read_local_manifest
+from ..packing.pack import pack
+from ..reading.dataset import open_dataset
+from ..reading.folder import FolderDataset
 from .cache import dataset_files
 from .pipelines import open_train, train_size
 
@@ -96,17 +100,11 @@ class Target:
         if self.pipeline == "train":
             return open_train(self.dataset, self.root, train_size(self.read_resize, self.read_crop))
         if self.dataset == "folder":
-            from ..reading.folder import FolderDataset
-
             return FolderDataset(self.root, decoder="pil", resize=self.read_resize, center_crop=self.read_crop)
-        from ..reading.dataset import open_dataset
-
         return open_dataset(self.root, resize=self.read_resize, center_crop=self.read_crop)
 
 
 def folder_target(src: Path, read_resize: Size, read_crop: Size) -> Target:
-    from ..reading.folder import FolderDataset
-
     ds = FolderDataset(src)
     files = [src / ds.relpath(i) for i in range(len(ds))]
     size = sum(p.stat().st_size for p in files)
@@ -115,8 +113,6 @@ def folder_target(src: Path, read_resize: Size, read_crop: Size) -> Target:
 
 
 def packed_target(dest: Path, read_resize: Size, read_crop: Size, conversion: dict | None = None) -> Target:
-    from ..manifest import read_local_manifest
-
     manifest = read_local_manifest(dest)
     t = manifest["transform"]
     resize = tuple(t["resize"]) if isinstance(t.get("resize"), list) else t.get("resize")
@@ -134,8 +130,6 @@ def packed_target(dest: Path, read_resize: Size, read_crop: Size, conversion: di
 
 def pack_target(src: Path, work: Path, fmt: str, variant: Variant, source_bytes: int, read_resize: Size,
                 read_crop: Size, progress: bool) -> Target:
-    from ..packing.pack import pack
-
     dest = work / f"{fmt}-{variant.slug}"
     t = time.perf_counter()
     manifest = pack(src, dest, fmt, store=variant.store, resize=variant.resize, center_crop=variant.center_crop,
@@ -149,8 +143,6 @@ def pack_target(src: Path, work: Path, fmt: str, variant: Variant, source_bytes:
 
 
 def existing_conversion(target: Target, source_bytes: int) -> dict[str, Any]:
-    from ..manifest import read_local_manifest
-
     manifest = read_local_manifest(target.root)
     seconds = manifest.get("conversion_seconds")
     return {"dataset": target.dataset, "store": target.store, "images": target.count, "seconds": seconds,

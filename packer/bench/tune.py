@@ -12,9 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
+from ..errors import warn
 from ..images.transforms import parse_size
+from ..loading.plan import plan_loader
+from ..loading.tuned import read_view
+from ..manifest import TUNED, write_json_atomic
 from ..system import usable_cores
 from .cache import prewarm, release_handles
 from .machine import machine_info
@@ -44,8 +49,6 @@ def tune_threads(workers: int) -> list[int]:
 
 def tune_pinning() -> list[bool]:
     """Pinned batches matter only with CUDA: try both there, neither elsewhere."""
-    import torch
-
     return [False, True] if torch.cuda.is_available() else [False]
 
 
@@ -54,8 +57,6 @@ def _tune_one(target: Target, workers: int, threads: int, prefetch: int, pin: bo
     """Read at least ``samples`` samples and ``min_seconds`` of measured time after the warm-up batches (epoch after
     epoch), or for about ``max_seconds``. Each epoch is cut short by its sampler, never by leaving the loop: a
     loader left mid-epoch still has threads reading."""
-    import torch
-
     ds = target.open()
     epoch = min(len(ds), samples + WARMUP_BATCHES * batch_size)
     sampler = torch.utils.data.RandomSampler(ds, num_samples=epoch, generator=torch.Generator().manual_seed(0))
@@ -107,11 +108,6 @@ def tune(dest: str | os.PathLike, *, workers: Sequence[int] | None = None, batch
     ``dest`` opened as ``pipeline`` reads it (warm cache), and write the fastest to ``dest/loader.json`` with
     the read-time view it was measured on (:func:`packer.loading.tuned.read_view`; make_loader applies it to that
     view only). Warns when the figures are noise (:func:`noise_warning`). Returns what was written."""
-    from ..errors import warn
-    from ..loading.plan import plan_loader
-    from ..loading.tuned import read_view
-    from ..manifest import TUNED, write_json_atomic
-
     dest = Path(dest)
     target = packed_target(dest, parse_size(read_resize), parse_size(read_crop))
     if pipeline == "train":  # the train pipeline crops from the full stored image (as run_bench does)
