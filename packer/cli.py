@@ -337,10 +337,8 @@ def bench(src, full, min_seconds, images, compare, formats, stores, resize, cent
     if compare:
         if src or tune_dest:
             raise UsageError("give --compare A B alone, without SRC or --tune")
-        from .bench.compare import compare_lines, load_results
-
-        first, second = (load_results(p) for p in compare)
-        click.echo("\n".join(compare_lines(first, second)))
+        first, second = (b.load_results(p) for p in compare)
+        click.echo("\n".join(b.compare_lines(first, second)))
         return
     quick_only = {"--min-seconds": min_seconds, "--images": images}
     full_only = {"--epochs": epochs, "--repeats": repeats, "--prefetch-factor": prefetch_factor}
@@ -357,11 +355,9 @@ def bench(src, full, min_seconds, images, compare, formats, stores, resize, cent
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if src and parse_url(src) is not None:  # a packed dataset at a URL: one cold and one warm epoch
-        from .bench.remote import bench_url, format_bench_url
-
-        rows = bench_url(src, batch_size=batch_size, workers=counts[0] if counts else 0,
+        rows = b.bench_url(src, batch_size=batch_size, workers=counts[0] if counts else 0,
                          resize=b.optional_size(read_resize), center_crop=b.optional_size(read_crop))
-        click.echo(format_bench_url(src, rows))
+        click.echo(b.format_bench_url(src, rows))
         return
     if tune_dest:
         if src:

@@ -233,6 +233,28 @@ def test_packages_import_only_the_layers_below_them():
     assert upward == []
 
 
+# The only module imports that climb the load-time layers, each with its reason: the CLI imports each command's stack
+# when the command runs, so that `packer --help` and a usage error answer without loading h5py, lmdb and the codecs.
+ALLOWED_CLIMBS = {
+    ("packer.cli", "packer.packing.pack"): "`packer pack`: the conversion",
+    ("packer.cli", "packer.formats"): "`packer info`: the formats' manifest checks and readers",
+    ("packer.cli", "packer.exports.folder"): "`packer export`",
+    ("packer.cli", "packer.verify"): "`packer verify`",
+    ("packer.cli", "packer.bench"): "`packer bench`: the whole benchmark and matplotlib",
+}
+
+
+def test_only_the_cli_s_commands_climb_the_import_layers():
+    """scripts/count_climbs.py's list: a lower module that imports (in a function) one that uses it is a call
+    climbing back up; the CLI's deferred command imports are the only ones, at most five."""
+    script = _count_climbs()
+    graph = script.imports(REPO)
+    found = set(script.climbs(graph, script.layers(graph)))
+    assert sorted(found - set(ALLOWED_CLIMBS)) == [], "import it at load time, or call down instead of up"
+    assert sorted(set(ALLOWED_CLIMBS) - found) == [], "no longer climbs: take it off ALLOWED_CLIMBS"
+    assert len(ALLOWED_CLIMBS) <= 5
+
+
 # Modules outside packer/remote/ that may import it: the public entry points, which resolve a URL into local files
 # (or one Fetchable per file, for stream) before they call down. Everything below them sees local paths.
 REMOTE_IMPORTERS = {

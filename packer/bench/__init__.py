@@ -44,6 +44,7 @@ a packed dataset at a URL, with the bytes and requests fetched; not imported her
 
 from .cache import EVICTED_BELOW, dataset_files, evict, prewarm, resident_bytes, resident_fraction
 from .chart import chart_workers
+from .compare import compare_lines, load_results
 from .limits import (
                      DecodePool,
                      add_ceilings,
@@ -57,6 +58,7 @@ from .machine import describe_load, describe_machine, filesystem_type, load_aver
 from .measure import WARMUP_BATCHES, EpochStats, add_speedups, build_loader, measure, output_signature, run_epochs
 from .pipelines import PIPELINES, open_train, parse_pipelines, train_size
 from .quick import IMAGES, MIN_SECONDS, run_quick, sample_folder, sweep_workers
+from .remote import bench_url, format_bench_url
 from .report import (
                      conversion_lines,
                      format_table,
@@ -74,12 +76,12 @@ from .tune import format_tune, noise_warning, tune, tune_workers
 from .verdict import pack_command, verdict
 
 __all__ = [
-    "add_ceilings", "add_speedups", "best_choice", "build_loader", "chart_workers", "conversion_lines",
-    "dataset_files", "decode_rates", "DecodePool", "DEFAULT_OUT", "default_workers", "describe_load",
-    "describe_machine", "disk_read_speed", "EpochStats", "evict", "EVICTED_BELOW", "filesystem_type",
-    "folder_target", "format_table", "format_tune", "IMAGES", "interleaved_ceiling", "limits_lines", "load_average",
-    "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth", "MIN_SECONDS",
-    "noise_warning", "open_train", "optional_size", "output_signature", "pack_command", "pack_target",
+    "add_ceilings", "add_speedups", "bench_url", "best_choice", "build_loader", "chart_workers", "compare_lines",
+    "conversion_lines", "dataset_files", "decode_rates", "DecodePool", "DEFAULT_OUT", "default_workers",
+    "describe_load", "describe_machine", "disk_read_speed", "EpochStats", "evict", "EVICTED_BELOW", "filesystem_type",
+    "folder_target", "format_bench_url", "format_table", "format_tune", "IMAGES", "interleaved_ceiling", "limits_lines",
+    "load_average", "load_results", "machine_info", "markdown_table", "measure", "measure_limits", "memory_bandwidth",
+    "MIN_SECONDS", "noise_warning", "open_train", "optional_size", "output_signature", "pack_command", "pack_target",
     "packed_target", "parse_pipelines", "parse_variant", "PIPELINES", "plot", "prewarm", "read_geometry",
     "render_markdown", "render_text", "resident_bytes", "resident_fraction", "run_bench", "run_epochs", "run_quick",
     "sample_folder", "Size", "split_ints", "split_names", "summary_lines", "sweep_workers", "Target", "train_size",
