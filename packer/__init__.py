@@ -11,6 +11,7 @@ Public API (imported lazily, so ``packer pack`` does not pay for torch until it 
     packer.make_loader(ds, batch_size=64)           # a pre-tuned torch DataLoader
     packer.to_device(loader, "cuda", normalize=(mean, std))
     packer.stream(dest, batch_size)                 # sequential reading of WebDataset shards, resumable
+    packer.mix([ds_a, ds_b], weights=[0.8, 0.2])    # several datasets as one, drawn by weight every epoch
     packer.PackerError                              # base of every error packer raises
     packer.lightning.PackedDataModule               # a Lightning DataModule (the lightning extra; not imported here)
 """
@@ -33,6 +34,7 @@ _EXPORTS = {
     "WdsDataset": "packer.reading.dataset",
     "PartedDataset": "packer.reading.dataset",
     "stream": "packer.loading.stream",
+    "mix": "packer.reading.mix",
     "FolderDataset": "packer.reading.folder",
     "make_loader": "packer.loading.loader",
     "to_device": "packer.loading.loader",

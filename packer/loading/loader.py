@@ -52,8 +52,8 @@ from .. import arguments
 from ..arguments import parse_bytes
 from ..errors import Crossed, PackerError, UsageError, uncrossed
 from ..manifest import TUNED
-from ..reading.batches import FieldBatch
-from ..reading.dataset import PackedBatch, PackedDataset
+from ..reading.batches import BatchDataset, FieldBatch
+from ..reading.dataset import PackedBatch
 from ..state import CountingIterator, Progress
 from ..system import die_with_parent
 from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
@@ -70,7 +70,7 @@ def collate(batch: list) -> Any:
     """Return a :class:`PackedBatch`'s tensors (a :class:`FieldBatch`'s whole batch) as they are; anything else
     goes to ``default_collate``, with a sample's text, JSON, bytes and variable-length vectors kept as lists."""
     if isinstance(batch, PackedBatch):
-        return batch.images, batch.labels
+        return (batch.images, batch.labels) if batch.sources is None else (batch.images, batch.labels, batch.sources)
     if isinstance(batch, Crossed):  # a worker's error, raised as itself by the loader
         return batch
     if isinstance(batch, FieldBatch):
@@ -294,7 +294,7 @@ class BatchReads(Dataset):
     loader's decode threads and pinning, so the dataset is never changed and one dataset can back several
     loaders with different settings. Other attributes are the dataset's."""
 
-    def __init__(self, dataset: PackedDataset, threads: int, pin_memory: bool, crossing: bool = False,
+    def __init__(self, dataset: BatchDataset, threads: int, pin_memory: bool, crossing: bool = False,
                  maps: WorkerMaps | None = None):
         self.dataset = dataset
         self.threads = threads
@@ -374,8 +374,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
             order (:mod:`packer.loading.block_order`) for datasets larger than memory: blocks the reader reads
             sequentially (a WebDataset shard, ``block_bytes`` of an LMDB or HDF5 file) in a random order, the samples of
             each ``block_window`` consecutive blocks shuffled together; under ``torch.distributed`` each rank takes
-            whole blocks where it can. Resumes exactly at any world size, like ``True``.
-        seed: the sample order's seed.
+            whole blocks where it can. Resumes exactly at any world size, like ``True``. A mixture
+            (:func:`packer.mix`) orders its epochs itself, from its own seed: it takes True only.
+        seed: the sample order's seed (not a mixture's: that is ``mix()``'s).
         tuned: use ``DEST/loader.json`` from ``packer bench --tune`` when present and tuned for this dataset's
             read-time view (and say on stderr which settings apply: those no argument given here overrides);
             False ignores it and prints nothing.
@@ -404,6 +405,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         reads, with how many workers and threads, pinning and prefetch, and why each.
     """
     _check_loader_arguments(dataset, batch_size, shuffle, seed, tuned, threads, prefetch_batches, drop_last)
+    if getattr(dataset, "mixture", None) is not None and shuffle is not True:
+        raise UsageError(f"shuffle={shuffle!r}: a mixture (packer.mix) orders each epoch itself, from mix()'s "
+                         "seed and the epoch; leave shuffle=True")
     arguments.optional_int("fetch_ahead", fetch_ahead, 0)
     reader = blocked_reader(dataset)
     if reader is not None and fetch_ahead is not None and fetch_ahead > reader.fetch_ahead:
@@ -423,7 +427,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
         print(f"packer: using tuned loader settings from {getattr(dataset, 'root', '')}/{TUNED}: {dict(plan.tuned)}",
               file=sys.stderr)
     _log.info("packer: loader plan: %s", plan)
-    packed = isinstance(dataset, PackedDataset)
+    packed = isinstance(dataset, BatchDataset)
     pin_batches = packed and plan.engine == "threads" and plan.pin_memory and torch.cuda.is_available()
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": plan.workers,
                                 "pin_memory": plan.pin_memory,

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..reading.dataset import PackedDataset
+from ..reading.batches import BatchDataset
 from ..system import cores_per_rank
 from .fetchahead import blocked_reader
 from .tuned import applied_tuned
@@ -94,7 +94,7 @@ def pool_refusal(dataset: Any, overrides: Mapping[str, Any]) -> str | None:
     (packer's own ``collate_fn`` and ``worker_init_fn`` left out of them); None when it can: a packer dataset of
     decoded images of one shape without a per-item transform, workers kept across epochs, and no setting the
     pool does not carry out."""
-    if not isinstance(dataset, PackedDataset):
+    if not isinstance(dataset, BatchDataset):
         return f"{type(dataset).__name__} is not a packer dataset"
     extra = sorted(set(overrides) - POOL_SETTINGS)
     if extra:
@@ -113,7 +113,7 @@ def pool_refusal(dataset: Any, overrides: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _no_default_pool(dataset: PackedDataset, overrides: Mapping[str, Any], cores: int, batch_size: int,
+def _no_default_pool(dataset: BatchDataset, overrides: Mapping[str, Any], cores: int, batch_size: int,
                      prefetch: int) -> str | None:
     """Why ``dataset`` does not get packer's worker pool when ``num_workers`` is not given; None when it does: on
     two or more cores, outside a daemonic process (which may not start any), where the pool serves the settings
@@ -163,7 +163,7 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
     cores = cores_per_rank() if cores is None else cores
     cuda = torch.cuda.is_available() if cuda is None else cuda
     applied = applied_tuned(tuned or {}, threads, prefetch_batches, overrides)
-    packed = isinstance(dataset, PackedDataset)
+    packed = isinstance(dataset, BatchDataset)
     why: dict[str, str] = {}
     if threads is None and "threads" in applied and applied.get("num_workers", 0) == 0:
         threads, why["threads"] = applied["threads"], "tuned (loader.json)"
@@ -204,7 +204,7 @@ def _given(overrides: Mapping[str, Any], applied: Mapping[str, Any], name: str, 
     return default, because
 
 
-def _in_process(dataset: PackedDataset, overrides: Mapping[str, Any], applied: Mapping[str, Any], cores: int,
+def _in_process(dataset: BatchDataset, overrides: Mapping[str, Any], applied: Mapping[str, Any], cores: int,
                 batch_size: int, threads: int | None, prefetch_batches: int | None, tuned_threads: bool) -> str | None:
     """Why a packer dataset whose ``num_workers`` nobody gave decodes in the main process; None: it gets the pool."""
     if threads is not None:

@@ -1,10 +1,8 @@
 """Sample order for training: which sample each step reads, and in which epoch.
 
-:class:`EpochIndex` is how the epoch reaches the dataset. A sampler yields indices that carry their epoch, and
-the DataLoader hands them unchanged to ``__getitem__``/``__getitems__``, in the main process or pickled to a
-worker process. A read-time augmentation (``random_resized_crop``, ``flip``) draws from ``(seed, epoch, index)``
-and so gives the same pixels with threads, with worker processes (persistent ones too) and on any number of
-ranks, with no ``set_epoch`` call to forward to workers.
+:class:`~packer.reading.indices.EpochIndex` is how the epoch reaches the dataset: the sampler yields indices that
+carry their epoch (and a resolution schedule's sizes for it), which the DataLoader hands unchanged to
+``__getitem__``/``__getitems__``, in the main process or pickled to a worker process.
 """
 
 from __future__ import annotations
@@ -17,26 +15,12 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..reading.indices import EpochIndex
 from ..state import STATE_VERSION, StateSchema, check_state
 from .block_order import block_order, check_starts, deal_steps, layout
 
-
-class EpochIndex(int):
-    """An ``int`` sample index that also carries ``epoch``. Anything that treats it as an int still works; a
-    dataset reads ``getattr(index, "epoch", default)``."""
-
-    epoch: int
-
-    def __new__(cls, index: int, epoch: int) -> EpochIndex:
-        obj = super().__new__(cls, index)
-        obj.epoch = int(epoch)
-        return obj
-
-    def __reduce__(self):  # crosses to worker processes through the index queue
-        return EpochIndex, (int(self), self.epoch)
-
-    def __repr__(self) -> str:
-        return f"EpochIndex({int(self)}, epoch={self.epoch})"
+__all__ = ["BLOCKS", "EpochIndex", "EpochPass", "ResumableSampler", "distributed_rank_world", "make_state",
+           "state_schema"]
 
 
 BLOCKS = "blocks"  # shuffle="blocks": the block-aware order of packer.loading.block_order
@@ -74,6 +58,7 @@ class EpochPass:
     drop_last: bool
     blocks: np.ndarray | None = field(default=None, compare=False, repr=False)
     window: int | None = None
+    mixture: dict | None = field(default=None, compare=False, repr=False)  # a dataset that orders its epochs
 
     @property
     def per_rank(self) -> int:
@@ -92,6 +77,8 @@ class EpochPass:
         return block_order(self.blocks, self.length, self.window, self.seed, self.epoch)
 
     def order(self) -> torch.Tensor:
+        if self.mixture is not None:  # a mixture (packer.mix) orders each epoch itself: its positions in turn
+            return torch.arange(self.length)
         if self.shuffle == BLOCKS:
             return torch.from_numpy(self._block_order()[0])
         if not self.shuffle:
@@ -135,6 +122,8 @@ def make_state(epoch: int, position: int, world: int, settings: Any) -> dict[str
              "drop_last": bool(settings.drop_last), "dataset_length": int(settings.length)}
     if settings.shuffle == BLOCKS:  # the order depends on the blocks and the window too
         state.update(block_window=int(settings.window), blocks=layout(settings.blocks))
+    if getattr(settings, "mixture", None) is not None:  # and a mixture's on its datasets, weights and seed
+        state["mixture"] = settings.mixture
     return state
 
 
@@ -142,7 +131,8 @@ def state_schema(settings: Any) -> StateSchema:
     """What a loader state must hold to be loaded by a loader with ``settings`` (a sampler or an
     :class:`EpochPass`): anything that changes the order or the batches must match; ``world_size`` may differ."""
     mine = make_state(0, 0, 1, settings)
-    keys = _MUST_MATCH + (("block_window", "blocks") if settings.shuffle == BLOCKS else ())
+    keys = _MUST_MATCH + (("block_window", "blocks") if settings.shuffle == BLOCKS else ()) + (
+        ("mixture",) if getattr(settings, "mixture", None) is not None else ())
     return StateSchema("loader", "samples_seen", settings.length, {key: mine[key] for key in keys},
                        free=("world_size",))
 
@@ -171,12 +161,18 @@ class ResumableSampler(Sampler[EpochIndex]):
         blocks: with ``shuffle="blocks"``, the start index of every block (increasing from 0: a reader's
             ``blocks()``).
         window: with ``shuffle="blocks"``, how many consecutive blocks of the epoch's block order are mixed.
+
+    A dataset with a resolution schedule (its ``epoch_view``) gets each epoch's sizes with every index of the
+    epoch. A mixture (:func:`packer.mix`, its ``mixture``) orders each epoch itself: the sampler takes its
+    positions in turn (``shuffle`` and ``seed`` do not reorder it), and the state records the mixture.
     """
 
     def __init__(self, data_source: Sized | int, batch_size: int = 1, shuffle: bool | str = True, seed: int = 0,
                  drop_last: bool = False, num_replicas: int | None = None, rank: int | None = None,
                  blocks: np.ndarray | list[int] | None = None, window: int = 4):
         self.length = data_source if isinstance(data_source, int) else len(data_source)
+        self._view = getattr(data_source, "epoch_view", None)  # an epoch's sizes under a resolution schedule
+        self.mixture = getattr(data_source, "mixture", None)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if isinstance(shuffle, str) and shuffle != BLOCKS:
@@ -219,7 +215,7 @@ class ResumableSampler(Sampler[EpochIndex]):
     def next_pass(self) -> EpochPass:
         """The pass the next iteration will make (nothing changes until it starts)."""
         return EpochPass(self._next_epoch, self._resume_at, self.world, self.rank, self.length, self.batch_size,
-                         self.seed, self.shuffle, self.drop_last, self.blocks, self.window)
+                         self.seed, self.shuffle, self.drop_last, self.blocks, self.window, self.mixture)
 
     def __len__(self) -> int:
         current = self._current
@@ -234,9 +230,10 @@ class ResumableSampler(Sampler[EpochIndex]):
         self._next_epoch, self._resume_at = epoch_pass.epoch + 1, 0
         self._current, self._yielded = epoch_pass, 0
         self._passes += 1
+        view = self._view(epoch_pass.epoch) if self._view is not None else None
         for index in epoch_pass.indices():
             self._yielded += 1
-            yield EpochIndex(index, epoch_pass.epoch)
+            yield EpochIndex(index, epoch_pass.epoch, view)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the samples this sampler has yielded (JSON-serialisable, a few hundred bytes)."""

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -29,11 +29,14 @@ from ..errors import PackerError, UsageError, carried, uncrossed
 from ..fields import Field
 from ..formats import Reader, StreamSample, reader_class
 from ..manifest import read_local_manifest
+from ..reading.decoding import Sized
+from ..reading.mix import SOURCE, mix_weights, mixture_counts
 from ..state import CountingIterator, Progress, StateSchema, check_state
 from ..system import die_with_parent, usable_cores
 from .block_order import block_order, deal_steps, layout
+from .mix_order import StreamMixture
 from .sampler import EpochPass, distributed_rank_world
-from .stream_decode import StreamDecoder
+from .stream_decode import MixedStreamDecoder, StreamDecoder
 
 
 # URLs are resolved at the entry point (one Fetchable per remote shard: packer.remote.resolve.RemoteFile); below it,
@@ -105,47 +108,63 @@ class ShardStreams(IterableDataset):
     one, reading the shards they need from start to end, each once: their samples' members, and only the
     headers of the others'."""
 
-    def __init__(self, shards: list[Shard], decoder: StreamDecoder, *, reader: type[Reader]):
+    def __init__(self, shards: list[Shard], decoder: StreamDecoder | MixedStreamDecoder, *, reader: type[Reader]):
         self.shards = shards  # the non-empty shards, in the manifest's order: the blocks of the order
         self.decoder = decoder
         self.reader = reader  # the format's reader class, whose stream_file reads a shard
         self.extras = decoder.fields.extras  # the fields read from each sample's members beyond image and label
         self.plan: EpochPass | None = None
+        self.view: tuple | None = None  # the pass's sizes under a resolution schedule, computed by the main process
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        plan = self.plan
-        assert plan is not None and plan.blocks is not None  # set by the stream before each pass, with the starts
-        batches = self._batches(rank_batches(plan)[worker::workers], plan.blocks, plan.epoch)
+        batches = self._batches(self._rank_batches()[worker::workers])
         return batches if info is None else carried(batches)  # an error crosses to the caller as itself
 
-    def _batches(self, mine: list[np.ndarray], starts: np.ndarray, epoch: int) -> Iterator[Any]:
+    def _pass(self) -> EpochPass:
+        """This pass's plan, with its shards' starts (set by the stream before each pass)."""
+        assert self.plan is not None and self.plan.blocks is not None
+        return self.plan
+
+    def _rank_batches(self) -> list[np.ndarray]:
+        return rank_batches(self._pass())
+
+    def _shard(self, block: int) -> tuple[Path | Fetchable, int, type[Reader], int]:
+        """Block ``block``'s shard, its samples, its format's reader, and the index of its first sample (which
+        packer's member keys name)."""
+        shard, count = self.shards[block]
+        return shard, count, self.reader, int(cast(np.ndarray, self._pass().blocks)[block])
+
+    def _decode(self, batch: np.ndarray, samples: list[StreamSample]) -> Any:
+        return self.decoder.batch(samples, self._pass().epoch, self.view)
+
+    def _batches(self, mine: list[np.ndarray]) -> Iterator[Any]:
+        starts = cast(np.ndarray, self._pass().blocks)
         uses = Counter(int(i) for batch in mine for i in batch)
         held: dict[int, StreamSample] = {}
         for batch in mine:
             samples = []
             for i in batch.tolist():
                 if i not in held:
-                    self._read(int(np.searchsorted(starts, i, side="right")) - 1, starts, uses, held)
+                    self._read(int(np.searchsorted(starts, i, side="right")) - 1, uses, held)
                 samples.append(held[i])
                 uses[i] -= 1
                 if not uses[i]:
                     del held[i]
-            yield self.decoder.batch(samples, epoch)
+            yield self._decode(batch, samples)
 
-    def _read(self, block: int, starts: np.ndarray, uses: Counter, held: dict[int, StreamSample]) -> None:
-        """Read shard ``block`` (its first sample at ``starts[block]``) from start to end, keeping the samples
-        this stream still uses."""
-        shard, count = self.shards[block]
-        first, n = int(starts[block]), 0
-        for n, sample in enumerate(shard_samples(shard, self.extras, self.reader, lambda k: uses[first + k] > 0), 1):
+    def _read(self, block: int, uses: Counter, held: dict[int, StreamSample]) -> None:
+        """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
+        shard, count, reader, named = self._shard(block)
+        first, n = int(cast(np.ndarray, self._pass().blocks)[block]), 0
+        for n, sample in enumerate(shard_samples(shard, self.extras, reader, lambda k: uses[first + k] > 0), 1):
             if n > count or sample is None:  # the samples of other streams are skipped, not read
                 continue
             key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
-            if key.isascii() and key.isdigit() and int(key) != first + n - 1:
+            if key.isascii() and key.isdigit() and int(key) != named + n - 1:
                 raise PackerError(f"{shard}: holds sample {key} where the manifest's shard counts place sample "
-                                  f"{first + n - 1}; the dataset is damaged, run `packer verify`")
+                                  f"{named + n - 1}; the dataset is damaged, run `packer verify`")
             held[first + n - 1] = sample
         if n != count:
             raise PackerError(f"{shard}: holds {'more' if n > count else n} samples, the manifest says {count}; "
@@ -154,26 +173,26 @@ class ShardStreams(IterableDataset):
 
 class StreamLoader:
     """What :func:`stream` returns. Each iteration is the next epoch; ``state_dict``/``load_state_dict`` resume
-    at the batch, at any world size and number of workers."""
+    at the batch, at any world size and number of workers. A mixture's (several roots) also says what its batches'
+    ``sources`` and labels index: :attr:`names` and :attr:`classes`."""
 
-    def __init__(self, shards: list[Shard], settings: dict[str, Any], decoder: StreamDecoder, buffer: int, *,
-                 reader: type[Reader]):
-        shards = [(shard, count) for shard, count in shards if count > 0]  # an empty shard is no block
-        counts = [count for _, count in shards]
-        self.starts = np.cumsum([0, *counts[:-1]], dtype=np.int64) if counts else np.zeros(0, np.int64)
+    names: list[str] | None = None  # a mixture's datasets, as given: what a batch's sources index
+    classes: list[str] | None = None  # a mixture's classes: its datasets' class names, joined
+
+    def __init__(self, dataset: ShardStreams, settings: dict[str, Any], starts: np.ndarray, workers: int):
+        self.starts = starts  # the blocks of the order: the first sample of each shard (a mixture's: of each round)
         self.rank, self.world = distributed_rank_world()
-        self.workers = settings["workers"]
-        self.settings = {key: settings[key] for key in ("batch_size", "seed", "shuffle", "drop_last",
-                                                        "dataset_length")}
-        self.settings.update(window=shard_window(buffer, counts), blocks=layout(self.starts))
-        self.dataset = ShardStreams(shards, decoder, reader=reader)
+        self.workers = workers
+        self.settings = settings  # what fixes the order and the batches: a state must agree on them
+        self.dataset = dataset
         self.epoch, self.resume_at = 0, 0
         self._received: Progress | None = None  # the latest iteration's pass, its start, the batches handed out
 
     def _plan(self) -> EpochPass:
         s = self.settings
+        window = s["window"] if isinstance(s["window"], int) else None  # a mixture has one per dataset
         return EpochPass(self.epoch, self.resume_at, self.world, self.rank, s["dataset_length"], s["batch_size"],
-                         s["seed"], s["shuffle"], s["drop_last"], self.starts, s["window"])
+                         s["seed"], s["shuffle"], s["drop_last"], self.starts, window)
 
     def __len__(self) -> int:
         return self._plan().batches
@@ -190,6 +209,7 @@ class StreamLoader:
         self.epoch, self.resume_at = plan.epoch + 1, 0
         self._received = Progress(plan, plan.batches, plan.start)
         self.dataset.plan = plan
+        self.dataset.view = self.dataset.decoder.epoch_view(plan.epoch)
         return CountingIterator(self._handed_out(plan.batches), self._received)
 
     def _handed_out(self, batches: int) -> Iterator:
@@ -217,7 +237,8 @@ class StreamLoader:
                 "world_size": self.world, **self.settings}
 
     def _schema(self) -> StateSchema:
-        settings = {"kind": "stream", **{key: self.settings[key] for key in _MUST_MATCH}}
+        keys = _MUST_MATCH + (("mixture",) if "mixture" in self.settings else ())
+        settings = {"kind": "stream", **{key: self.settings[key] for key in keys}}
         return StateSchema("stream", "samples_seen", self.settings["dataset_length"], settings,
                            free=("world_size",), version=STREAM_STATE_VERSION)
 
@@ -249,14 +270,15 @@ def _check_cache_limit(cache_limit: int | str | None, sizes: list[int], streams:
                          f"({streams} x {max(sizes):,} bytes): pass cache_limit={need} or more, or fewer num_workers")
 
 
-def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_workers: int | None = None,
-           seed: int = 0, mode: str = "RGB", drop_last: bool = False, buffer: int = 1000,
-           storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
+def stream(root: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int, shuffle: bool = True,
+           num_workers: int | None = None, seed: int = 0, mode: str = "RGB", drop_last: bool = False,
+           buffer: int = 1000, storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
            cache_limit: int | str | None = None, cache: bool = True,
-           fields: Sequence[str] | str | None = None, resize: int | str | None = None,
-           center_crop: int | str | None = None, interpolation: str = "bilinear", decoder: str = "auto",
-           random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
-           ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False) -> StreamLoader:
+           fields: Sequence[str] | str | None = None, resize: Sized | None = None,
+           center_crop: Sized | None = None, interpolation: str = "bilinear", decoder: str = "auto",
+           random_resized_crop: Sized | None = None, scale: tuple[float, float] = (0.08, 1.0),
+           ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, weights: Sequence[float] | None = None,
+           samples_per_epoch: int | None = None) -> StreamLoader:
     """Read a packed WebDataset's tar shards sequentially, as batches of ``(images, labels)`` (uint8 NCHW); a
     dataset with other fields gives dict batches as :func:`packer.make_loader` does (images and masks stacked,
     numbers stacked, text, JSON and variable-length vectors as lists), and ``fields=`` a tuple in that order.
@@ -278,8 +300,16 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     (:func:`packer.loading.stream_decode.key_index`). Mask and second-image fields get their image's geometry (masks by
     nearest neighbour). Without them, images stored at varying sizes cannot be batched (a one-line error).
 
+    Several roots (a list) are a mixture, drawn as :func:`packer.mix` draws: each epoch ``samples_per_epoch``
+    samples (default: all of them once), ``weights`` deciding each dataset's share (default: its size), each
+    dataset's samples taken round after round, none twice before all came once, each round in its own block order
+    of that dataset's shards (a small dataset drawn several times is read once a round), the datasets' turns
+    shuffled together; all from ``(seed, epoch)``. Batches then carry each sample's dataset: ``(images, labels,
+    sources)``, or a ``"source"`` entry (see :func:`packer.mix`); ``loader.names`` and ``loader.classes`` say
+    what ``sources`` and labels index. It resumes as a single dataset does.
+
     Args:
-        root: a dataset packed with ``--format wds``.
+        root: a dataset packed with ``--format wds``; or a list of them, mixed.
         batch_size: samples per batch; each rank's last batch may be smaller, unless ``drop_last``.
         shuffle: shuffle shards and samples, from ``(seed, epoch)``; else the packed order (under
             ``torch.distributed``, its batches dealt to the ranks in turn).
@@ -298,15 +328,19 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
             each once an epoch, less may fetch again the shards the workers share).
         cache: False reads a URL's shards through temporary files deleted once read, leaving the cache alone.
         fields: the fields to give, by name, as a tuple in that order (as :func:`packer.open_dataset` takes it).
-        resize: a read-time resize, as :func:`packer.open_dataset` takes it (N: the shorter side; ``"WxH"``).
-        center_crop: a read-time centre crop after the resize (N or ``"WxH"``).
+        resize: a read-time resize, as :func:`packer.open_dataset` takes it (N: the shorter side; ``"WxH"``), or a
+            function of the epoch that gives it (a resolution schedule).
+        center_crop: a read-time centre crop after the resize (N or ``"WxH"``), or a function of the epoch.
         interpolation: the resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
         decoder: ``"auto"``, ``"fast"`` or ``"pil"``, as :func:`packer.open_dataset` takes it.
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
-            decoding, its window drawn from ``(seed, epoch, index)``; replaces ``resize``/``center_crop``.
+            decoding, its window drawn from ``(seed, epoch, index)``; replaces ``resize``/``center_crop``. Or a
+            function of the epoch that gives the size: every batch of an epoch has that epoch's size.
         scale: the crop's area as a fraction of the image's, ``(min, max)``.
         ratio: the crop's width / height, ``(min, max)``.
         flip: mirror left-right with probability 0.5.
+        weights: a mixture's shares, one positive number per root (default: their sizes).
+        samples_per_epoch: a mixture's samples per epoch (default: every sample of every root once).
 
     Raises:
         ValueError: (one line) an argument of the wrong type or range, naming it.
@@ -323,6 +357,41 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     arguments.int_at_least("buffer", buffer, 1)
     if mode not in ("RGB", "L"):
         raise UsageError(f"mode must be 'RGB' or 'L', not {mode!r}")
+    workers = usable_cores() if num_workers is None else num_workers
+    decoding = {"resize": resize, "center_crop": center_crop, "interpolation": interpolation, "decoder": decoder,
+                "random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip,
+                "seed": seed}
+    opening: dict[str, Any] = {"storage_options": storage_options, "cache_dir": cache_dir,
+                               "cache_limit": cache_limit, "cache": cache, "streams": max(workers, 1), "mode": mode,
+                               "decoding": decoding}
+    settings: dict[str, Any] = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last}
+    if isinstance(root, (list, tuple)):
+        return mixed_stream(root, weights, samples_per_epoch, fields, opening, settings, buffer, workers)
+    if weights is not None or samples_per_epoch is not None:
+        raise UsageError("weights= and samples_per_epoch= mix several datasets: give root as a list of them")
+    source = open_stream(cast("str | os.PathLike", root), fields, **opening)
+    counts = [count for _, count in source.shards]
+    settings.update(dataset_length=sum(counts), window=shard_window(buffer, counts), blocks=layout(source.starts))
+    return StreamLoader(ShardStreams(source.shards, source.decoder, reader=source.reader), settings, source.starts,
+                        workers)
+
+
+class StreamSource(NamedTuple):
+    """One dataset a stream reads: its non-empty shards with their sample counts, the first sample of each, its
+    format's reader class and its decoder."""
+
+    name: str
+    shards: list[Shard]
+    starts: np.ndarray
+    reader: type[Reader]
+    decoder: StreamDecoder
+
+
+def open_stream(root: str | os.PathLike, fields: Sequence[str] | str | None, *, storage_options: dict | None,
+                cache_dir: str | os.PathLike | None, cache_limit: int | str | None, cache: bool, streams: int,
+                mode: str, decoding: dict[str, Any]) -> StreamSource:
+    """A dataset's shards for :func:`stream`: a local folder's, or a URL's, each a ``Fetchable`` fetched when its
+    stream reaches it (with ``cache_limit`` checked to hold one shard per stream)."""
     from ..remote import parse_url  # a URL is resolved here, to its manifest and a Fetchable per shard
     from ..remote.resolve import remote_files
 
@@ -341,13 +410,71 @@ def stream(root: str | os.PathLike, batch_size: int, shuffle: bool = True, num_w
     if sum(count for _, count in shards) != int(manifest["count"]):
         raise PackerError(f"{root}/manifest.json: its shards hold {sum(count for _, count in shards)} samples, its "
                           f"count says {manifest['count']}; the dataset is damaged, re-pack")
-    workers = usable_cores() if num_workers is None else num_workers
     if files is not None and cache:
-        _check_cache_limit(cache_limit, [files[path].entry["bytes"] for path, _ in entries], max(workers, 1))
-    settings = {"batch_size": batch_size, "seed": seed, "shuffle": shuffle, "drop_last": drop_last,
-                "dataset_length": int(manifest["count"]), "workers": workers}
-    decoding = {"resize": resize, "center_crop": center_crop, "interpolation": interpolation, "decoder": decoder,
-                "random_resized_crop": random_resized_crop, "scale": scale, "ratio": ratio, "flip": flip,
-                "seed": seed}
-    return StreamLoader(shards, settings, StreamDecoder(root, manifest, mode, fields, **decoding), buffer,
-                        reader=reader)
+        _check_cache_limit(cache_limit, [files[path].entry["bytes"] for path, _ in entries], streams)
+    shards = [(shard, count) for shard, count in shards if count > 0]  # an empty shard is no block
+    counts = [count for _, count in shards]
+    starts = np.cumsum([0, *counts[:-1]], dtype=np.int64) if counts else np.zeros(0, np.int64)
+    return StreamSource(os.fspath(root), shards, starts, reader,
+                        StreamDecoder(root, manifest, mode, fields, **decoding))
+
+
+# -- mixtures ---------------------------------------------------------------------------------------------------
+class MixedShardStreams(ShardStreams):
+    """:class:`ShardStreams` over a mixture's virtual blocks (:class:`~packer.loading.mix_order.StreamMixture`):
+    each round of each dataset's shards, read from that dataset with its reader and decoded by its decoder."""
+
+    def __init__(self, sources: list[StreamSource], mixture: StreamMixture, decoder: MixedStreamDecoder):
+        shards = [sources[k].shards[j] for k, j in zip(mixture.vsource.tolist(), mixture.vshard.tolist(),
+                                                       strict=True)]
+        super().__init__(shards, decoder, reader=sources[0].reader)
+        self.sources, self.mixture, self.mixed = sources, mixture, decoder
+
+    def _rank_batches(self) -> list[np.ndarray]:
+        plan = cast(EpochPass, self.plan)  # set by the loader before each iteration
+        if plan.per_rank == 0:
+            return []
+        order, place = self.mixture.epoch_order(plan.seed, plan.epoch)
+        taken = order[deal_steps(place, plan.start, plan.per_rank, plan.batch_size, plan.world, plan.rank)]
+        return [taken[k:k + plan.batch_size] for k in range(0, len(taken), plan.batch_size)]
+
+    def _shard(self, block: int) -> tuple[Path | Fetchable, int, type[Reader], int]:
+        k, j = int(self.mixture.vsource[block]), int(self.mixture.vshard[block])
+        shard, count = self.shards[block]
+        return shard, count, self.sources[k].reader, int(self.sources[k].starts[j])
+
+    def _decode(self, batch: np.ndarray, samples: list[StreamSample]) -> Any:
+        plan = cast(EpochPass, self.plan)
+        blocks = np.searchsorted(self.mixture.vstarts, batch, side="right") - 1
+        return self.mixed.batch(samples, plan.epoch, self.view, self.mixture.vsource[blocks])
+
+
+def mixed_stream(roots: Sequence[str | os.PathLike], weights: Sequence[float] | None, samples_per_epoch: int | None,
+                 fields: Sequence[str] | str | None, opening: dict[str, Any], settings: dict[str, Any], buffer: int,
+                 workers: int) -> StreamLoader:
+    """:func:`stream` over several datasets, mixed (see :func:`packer.mix` for the draw)."""
+    if not roots:
+        raise UsageError("root must be a dataset, or a list of at least one to mix")
+    if not settings["shuffle"]:
+        raise UsageError("shuffle=False: a mixture draws each epoch at random, from seed and the epoch; leave "
+                         "shuffle=True")
+    given = None if fields is None else [fields] if isinstance(fields, str) else list(fields)
+    narrowed = None if given is None else [name for name in given if name != SOURCE]
+    sources = [open_stream(root, narrowed, **opening) for root in roots]
+    sizes = [sum(count for _, count in source.shards) for source in sources]
+    names = [source.name for source in sources]
+    for name, size in zip(names, sizes, strict=True):
+        if size == 0:
+            raise UsageError(f"{name} holds no samples; leave it out of the mixture")
+    shares = sizes if weights is None else mix_weights(weights, len(sources))
+    total = sum(sizes) if samples_per_epoch is None else arguments.int_at_least("samples_per_epoch",
+                                                                               samples_per_epoch, 1)
+    counts = mixture_counts(shares, total, names)
+    windows = [shard_window(buffer, [count for _, count in source.shards]) for source in sources]
+    mixture = StreamMixture([s.starts for s in sources], sizes, counts, windows)
+    decoder = MixedStreamDecoder([s.decoder for s in sources], names, given)
+    settings.update(dataset_length=total, window=windows, blocks=[layout(s.starts) for s in sources],
+                    mixture={"sizes": sizes, "counts": counts})
+    loader = StreamLoader(MixedShardStreams(sources, mixture, decoder), settings, mixture.vstarts, workers)
+    loader.names, loader.classes = names, decoder.classes
+    return loader

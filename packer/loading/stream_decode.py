@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptDataError, PackerError
-from ..fields import is_pair_schema
+from ..errors import CorruptDataError, PackerError, UsageError
+from ..fields import is_pair_schema, label_field
 from ..formats.base import Reader, Sample, StreamSample
 from ..reading.batches import collate_column, field_tensor
 from ..reading.decoding import Decoding, decode_buffer
 from ..reading.fields import FieldDecoder, select_fields
+from ..reading.mix import SOURCE, joined_classes, relabeled
 
 
 def key_index(key: str) -> int:
@@ -112,16 +113,22 @@ class StreamDecoder:
         self.pair, self.as_dict = fields is None and is_pair_schema(schema), fields is None
         self.dtype = np.dtype(self.samples.spec.dtype)
 
-    def batch(self, batch: list[StreamSample], epoch: int) -> Any:
-        """One batch of samples read from the shards, with the augmentation of ``epoch``."""
+    def epoch_view(self, epoch: int) -> tuple | None:
+        """The sizes a resolution schedule gives ``epoch`` (None without one), computed by the stream's process."""
+        return self.decoding.epoch_view(epoch)
+
+    def batch(self, batch: list[StreamSample], epoch: int, view: tuple | None = None) -> Any:
+        """One batch of samples read from the shards, with the augmentation of ``epoch`` and the sizes ``view``
+        (its resolution schedule's, computed by the stream's process)."""
         path = self.root
         samples = [self._sample(path, key, data, ext, label) for key, data, ext, label, _ in batch]
         indices = [key_index(key) for key, *_ in batch]
         self.samples.names = {i: f"{path} sample {key}" for i, (key, *_) in zip(indices, batch, strict=True)}
+        d = self.decoding.for_epoch(epoch, view)
         try:
             if self.pair:
-                return self._pairs(indices, samples, epoch)
-            return self._fields(indices, samples, [s.fields for s in batch], epoch)
+                return self._pairs(d, indices, samples, epoch)
+            return self._fields(d, indices, samples, [s.fields for s in batch], epoch)
         finally:
             self.samples.names = {}
 
@@ -134,8 +141,8 @@ class StreamDecoder:
                                    "run `packer verify`")
         return Sample(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data, label, arr.shape, None)
 
-    def _pairs(self, indices: list[int], samples: list[Sample], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.decoding
+    def _pairs(self, d: Decoding, indices: list[int], samples: list[Sample], epoch: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         labels = torch.tensor([s.label for s in samples], dtype=torch.int64)
         shape = d.output_shape()
         if shape is None:  # images of their own sizes: one size or the one-line error
@@ -157,11 +164,11 @@ class StreamDecoder:
         """An uninitialised batch array, where decoding writes fastest."""
         return decode_buffer(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
 
-    def _fields(self, indices: list[int], samples: list[Sample], raws: list[dict[str, bytes | memoryview]],
-                epoch: int) -> Any:
+    def _fields(self, d: Decoding, indices: list[int], samples: list[Sample],
+                raws: list[dict[str, bytes | memoryview]], epoch: int) -> Any:
         """A batch of a dataset with fields (or ``fields=``), as :func:`packer.make_loader` gives it: images and
         masks decoded into their batch arrays when the images have one size, numbers stacked, the rest lists."""
-        d, fields = self.decoding, self.fields
+        fields = self.fields
         shape = d.output_shape()
         n = len(samples)
         outs: dict[str, np.ndarray] = {}
@@ -189,3 +196,97 @@ class StreamDecoder:
             else:
                 batch[name] = collate_column([field_tensor(by_name[name], v) for v in columns[name]], by_name[name])
         return batch if self.as_dict else tuple(batch.values())
+
+
+class MixedStreamDecoder:
+    """Decodes the batches of a stream over several datasets (``packer.stream([...], weights=)``): each dataset's
+    samples by its own :class:`StreamDecoder`, put back in the batch's order, with labels as indices into
+    :attr:`classes` and each sample's dataset (``source``), as :func:`packer.mix`'s batches are.
+
+    Args:
+        decoders: one per dataset, each giving the same fields and image size.
+        names: what each dataset is called (in messages).
+        fields: the ``fields=`` names asked for (``"source"`` among them, or not); None: every field, and the source.
+
+    Raises:
+        ValueError: (one line) datasets that give other fields, image sizes or types.
+    """
+
+    def __init__(self, decoders: list[StreamDecoder], names: list[str], fields: list[str] | None):
+        first = decoders[0]
+        self.decoders = decoders
+        self.fields, self.pair, self.as_dict = first.fields, first.pair, first.as_dict
+        selected = first.fields.selected
+        for decoder, name in zip(decoders[1:], names[1:], strict=True):
+            if (decoder.pair, decoder.as_dict, decoder.fields.selected) != (first.pair, first.as_dict, selected):
+                raise UsageError(f"{name} gives fields {_names(decoder.fields.selected)}, {names[0]} gives "
+                                 f"{_names(selected)}; a mixture reads one kind of sample: pass fields= the names "
+                                 "they share")
+            for what, mine, theirs in (("images of", decoder.decoding.output_shape(), first.decoding.output_shape()),
+                                       ("images of type", decoder.dtype, first.dtype)):
+                if mine != theirs:
+                    raise UsageError(f"{name} gives {what} {mine}, {names[0]} {theirs}; give one read-time size "
+                                     "(random_resized_crop=, or resize= and center_crop=)")
+        if any(f.name == SOURCE for f in selected):
+            raise UsageError(f"{names[0]} has a field named {SOURCE!r}, which a mixture gives itself (the dataset of "
+                             "each sample): pass fields= without it")
+        label = label_field(selected)
+        self.label_name = label.name if label is not None else None
+        self.classes, self.relabels = (joined_classes([d.samples.classes for d in decoders]) if label is not None
+                                       else ([], [None] * len(decoders)))
+        self.output = fields if fields is not None else [f.name for f in selected] + [SOURCE]
+
+    def epoch_view(self, epoch: int) -> tuple | None:
+        """Each dataset's sizes under its resolution schedule in ``epoch`` (None when none has one)."""
+        views = tuple(d.epoch_view(epoch) for d in self.decoders)
+        if all(v is None for v in views):
+            return None
+        shapes = [d.decoding.for_epoch(epoch, v).output_shape() for d, v in zip(self.decoders, views, strict=True)]
+        if any(shape != shapes[0] for shape in shapes):
+            raise UsageError(f"the datasets of a mixture read images of one size every epoch; epoch {epoch} gives "
+                             f"{', '.join(map(str, shapes))}")
+        return views
+
+    def batch(self, batch: list[StreamSample], epoch: int, view: tuple | None, sources: np.ndarray) -> Any:
+        """One batch: ``batch[j]`` is a sample of dataset ``sources[j]``."""
+        n = len(batch)
+        merged: dict[str, Any] = {}
+        for k in np.unique(sources).tolist():
+            rows = np.flatnonzero(sources == k)
+            part = self.decoders[k].batch([batch[r] for r in rows.tolist()], epoch, None if view is None else view[k])
+            for name, value in self._named(part, k).items():
+                _place(merged, name, value, rows, n)
+        merged[SOURCE] = torch.from_numpy(np.asarray(sources, np.int64))
+        if self.pair:
+            return merged["image"], merged[self.label_name or "label"], merged[SOURCE]
+        values = {name: merged[name] for name in self.output}
+        return values if self.as_dict else tuple(values.values())
+
+    def _named(self, part: Any, k: int) -> dict[str, Any]:
+        """A dataset's batch by field name, its labels as indices into :attr:`classes`."""
+        names = [f.name for f in self.fields.selected]
+        named = dict(part) if isinstance(part, dict) else dict(zip(names, part, strict=True))
+        table = self.relabels[k]
+        if table is not None and self.label_name in named:
+            named[self.label_name] = torch.from_numpy(relabeled(table, named[self.label_name].numpy()))
+        return named
+
+
+def _names(fields: list) -> str:
+    return ", ".join(f"{f.name} ({f.kind})" for f in fields)
+
+
+def _place(merged: dict[str, Any], name: str, value: Any, rows: np.ndarray, n: int) -> None:
+    """Put one dataset's column of a batch (a tensor, or a list) at its ``rows`` of the whole batch's."""
+    if isinstance(value, torch.Tensor):
+        if name not in merged:
+            if value.dim() == 4:  # NCHW images over NHWC memory: the whole batch laid out the same way
+                shape = value.shape
+                merged[name] = torch.empty((n, shape[2], shape[3], shape[1]), dtype=value.dtype).permute(0, 3, 1, 2)
+            else:
+                merged[name] = torch.empty((n, *value.shape[1:]), dtype=value.dtype)
+        merged[name].index_copy_(0, torch.from_numpy(rows), value)
+        return
+    column = merged.setdefault(name, [None] * n)
+    for row, item in zip(rows.tolist(), value, strict=True):
+        column[row] = item

@@ -49,24 +49,28 @@ from ..reading.buffers import shared_tensor, tensor_bytes
 from ..system import close_fds, die_with_parent
 from .fetchahead import blocked_reader
 
+Layout = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # a slot's arrays: (row shape, dtype) each
+
 
 class SharedSlots:
     """Batch memory in shared memory, each slot reused once no tensor refers to it (as in BatchPool: a tensor
     from ``torch.from_numpy`` holds its array for as long as its storage lives), each with the id workers know
-    it by. A slot is one array per entry of ``layout`` (``(row shape, dtype)``: the images, and each mask or
+    it by. A slot is one array per entry of its layout (``(row shape, dtype)``: the images, and each mask or
     second image of a dataset with fields), free once none of them is referred to. At most ``keep``
-    unreferenced slots are kept."""
+    unreferenced slots are kept; a free slot of another layout than the one asked for (the previous epoch's
+    size under a resolution schedule) is dropped."""
 
     # the slot's tuple, the loop variable and getrefcount's own argument: an array no tensor holds
     _UNREFERENCED = 3
 
     def __init__(self, layout: list[tuple[tuple[int, ...], torch.dtype]], rows: int, keep: int):
-        self.layout = [(tuple(shape), dtype) for shape, dtype in layout]
+        self.layout: Layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
         self.rows = rows
         self.keep = keep
         self._arrays: dict[int, tuple[np.ndarray, ...]] = {}
         self._shared: dict[int, tuple[torch.Tensor, ...]] = {}  # the tensors each slot is sent to a worker as
         self._rows_of: dict[int, int] = {}
+        self._layout_of: dict[int, Layout] = {}
         self._ids = itertools.count()
 
     def _free(self, slot_id: int) -> bool:
@@ -78,26 +82,32 @@ class SharedSlots:
                 return False
         return True
 
-    def take(self, rows: int) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
-        """A slot of at least ``rows`` rows that nothing refers to, a new one if none is free.
+    def take(self, rows: int, layout: Layout | None = None) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
+        """A slot of at least ``rows`` rows of ``layout`` (default: the first one) that nothing refers to, a new
+        one if none is free.
 
         Returns:
-            The slot's id, its arrays, and the ids of slots dropped meanwhile (free ones beyond ``keep``).
+            The slot's id, its arrays, and the ids of slots dropped meanwhile (free ones beyond ``keep``, and free
+            ones of another layout).
         """
+        layout = self.layout if layout is None else layout
         found = None
-        free = []
+        free, stale = [], []
         for slot_id in self._arrays:
             if self._free(slot_id):
+                if self._layout_of[slot_id] != layout:
+                    stale.append(slot_id)
+                    continue
                 free.append(slot_id)
                 if found is None and self._rows(slot_id) >= rows:
                     found = slot_id
-        dropped = [s for s in free if s != found][: max(0, len(self._arrays) - self.keep)]
+        dropped = stale + [s for s in free if s != found][: max(0, len(self._arrays) - len(stale) - self.keep)]
         for slot_id in dropped:
-            del self._arrays[slot_id], self._shared[slot_id], self._rows_of[slot_id]
+            del self._arrays[slot_id], self._shared[slot_id], self._rows_of[slot_id], self._layout_of[slot_id]
         if found is None:
             found = next(self._ids)
             shared = []
-            for row_shape, dtype in self.layout:
+            for row_shape, dtype in layout:
                 shape = (max(rows, self.rows), *row_shape)
                 try:
                     shared.append(shared_tensor(shape, dtype))
@@ -109,6 +119,7 @@ class SharedSlots:
             self._shared[found] = tuple(shared)
             self._arrays[found] = tuple(t.numpy() for t in shared)
             self._rows_of[found] = max(rows, self.rows)
+            self._layout_of[found] = layout
         return found, self._arrays[found], dropped
 
     def _rows(self, slot_id: int) -> int:
@@ -242,8 +253,10 @@ class WorkerPool:
         if layout is None:
             raise ValueError("packer's worker pool needs images of one shape")
         self.dataset = dataset
+        self.where = getattr(dataset, "where", None) or dataset.root  # what messages name the dataset by
         self.depth = workers * max(1, prefetch_factor)
         self.slots = SharedSlots([(shape, dtype) for _, shape, dtype in layout], batch_size, keep=self.depth + 4)
+        self._layouts: tuple[Any, Layout] = (None, self.slots.layout)  # (epoch, its layout): the latest asked
         self.pin_memory = pin_memory
         self.copy_out = copy_out or pin_memory
         self.timeout = timeout or None
@@ -333,9 +346,21 @@ class WorkerPool:
                 raise error
             yield labels
 
+    def _layout(self, indices: list[int]) -> Layout:
+        """The slot layout of a batch: its epoch's (a resolution schedule changes the size between epochs, and
+        the slots with it, without restarting the workers)."""
+        epoch = getattr(indices[0], "epoch", None) if indices else None
+        if epoch is None or epoch == self._layouts[0]:
+            return self._layouts[1]
+        layout = self.dataset.batch_layout(epoch)
+        if layout is None:
+            raise PackerError(f"{self.where}: epoch {epoch}'s images have no one shape; the worker pool needs one")
+        self._layouts = (epoch, tuple((tuple(shape), dtype) for _, shape, dtype in layout))
+        return self._layouts[1]
+
     def _send(self, key: tuple[int, int], indices: list[int]) -> None:
         worker = min(range(len(self.conns)), key=self.in_flight.__getitem__)
-        slot_id, array, dropped = self.slots.take(len(indices))
+        slot_id, array, dropped = self.slots.take(len(indices), self._layout(indices))
         for forgotten in dropped:
             for w, known in enumerate(self.has_slot):
                 if forgotten in known:
@@ -360,7 +385,7 @@ class WorkerPool:
         ready = multiprocessing.connection.wait([*self.conns, *sentinels], self.timeout)
         if not ready:
             raise PackerError(f"no batch from the loader's {len(self.processes)} worker processes in "
-                              f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.dataset.root}")
+                              f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.where}")
         for worker in [self.conns.index(c) for c in ready if c in self.conns]:
             conn = self.conns[worker]
             try:
@@ -385,7 +410,7 @@ class WorkerPool:
                if process.exitcode == -signal.SIGBUS else
                "out of memory, or killed? make the loader again, or pass num_workers=0")
         raise PackerError(f"loader worker {worker} (pid {process.pid}) exited with code {process.exitcode} while "
-                          f"reading {self.dataset.root}: {why}")
+                          f"reading {self.where}: {why}")
 
     def _batch(self, arrays: tuple[np.ndarray, ...], rows: int, result: Any) -> Any:
         """The batch a worker's ``result`` and the slot's ``arrays`` make (:meth:`PackedDataset.slot_batch`)."""

@@ -9,10 +9,48 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from ..errors import PackerError
 from ..fields import Field
 from .fields import mask_dtype
+
+
+class BatchDataset(Dataset):
+    """What packer's loaders read whole batches from: a :class:`~packer.reading.dataset.PackedDataset`, or a
+    mixture of them (:func:`packer.mix`). ``make_loader`` gives such a dataset its decode threads and pinning
+    (:meth:`read_batch`), and where its images have one shape, packer's worker pool, which decodes a batch in a
+    worker into a shared-memory slot (:meth:`batch_layout`, :meth:`decode_slot`) and makes the batch from it in
+    the main process (:meth:`slot_batch`)."""
+
+    transform: Any = None  # a per-item transform (then the pool is not used)
+    target_transform: Any = None
+    decode: bool = True
+
+    @property
+    def where(self) -> str:
+        """What messages name the dataset by."""
+        raise NotImplementedError
+
+    def epoch_view(self, epoch: int) -> tuple | None:
+        """The sizes a resolution schedule gives ``epoch`` (None without one), sent with each of its indices."""
+        raise NotImplementedError
+
+    def read_batch(self, indices: list[int], threads: int | None = None, pin_memory: bool = False) -> list:
+        """A whole batch, decoded on ``threads`` threads, in pinned memory when asked."""
+        raise NotImplementedError
+
+    def batch_layout(self, epoch: int | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
+        """The batch tensors a row fills in ``epoch``, ``(name, row shape, dtype)``; None when images vary in size."""
+        raise NotImplementedError
+
+    def decode_slot(self, indices: list[int], arrays: list[np.ndarray]) -> Any:
+        """Decode a batch into a slot's arrays (in a worker process); returns what :meth:`slot_batch` takes."""
+        raise NotImplementedError
+
+    def slot_batch(self, tensors: list[torch.Tensor], result: Any) -> Any:
+        """The batch from a slot's tensors and :meth:`decode_slot`'s result (in the main process)."""
+        raise NotImplementedError
 
 
 class FieldBatch(list):
@@ -69,6 +107,30 @@ def field_tensor(field: Field, value: Any) -> Any:
     if field.kind in ("int64", "float32"):
         return torch.as_tensor(np.asarray(value, "<i8" if field.kind == "int64" else "<f4"))
     return value
+
+
+def collate_fields(selected: list[Field], label_name: str | None, tensors: dict[str, torch.Tensor],
+                   labels: Any, values: dict[str, list]) -> dict[str, Any]:
+    """The batch of a dataset with fields, by name in ``selected`` order: dense fields as their batch tensors
+    (images NCHW), the label (``label_name``) and fixed-shape numbers stacked, text, JSON, bytes and
+    variable-length vectors as lists."""
+    batch: dict[str, Any] = {}
+    for field in selected:
+        name = field.name
+        if name in tensors:
+            t = tensors[name]
+            batch[name] = t.permute(0, 3, 1, 2) if t.dim() == 4 else t
+        elif name == label_name:
+            batch[name] = torch.as_tensor(labels, dtype=torch.int64)
+        elif field.kind in ("int64", "float32") and field.shape is not None:
+            dtype = "<i8" if field.kind == "int64" else "<f4"
+            batch[name] = torch.from_numpy(np.stack([np.asarray(v, dtype) for v in values[name]])
+                                           if values[name] else np.zeros((0, *field.shape), dtype))
+        elif field.kind in ("int64", "float32"):
+            batch[name] = [field_tensor(field, v) for v in values[name]]
+        else:
+            batch[name] = values[name]
+    return batch
 
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int64): torch.int64}

@@ -8,15 +8,13 @@ whole-batch read (``__getitems__``) with its decode threads, and pickling for wo
 
 from __future__ import annotations
 
-import itertools
+import copy
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from .. import arguments
 from ..errors import UsageError
@@ -26,12 +24,12 @@ from ..formats.base import Sample
 from ..formats.hdf5 import Hdf5Reader
 from ..formats.lmdb import LmdbReader
 from ..formats.wds import WdsReader
-from ..images.transforms import Size
 from .augment import Window
-from .batches import TORCH_DTYPES, FieldBatch, field_tensor
+from .batches import TORCH_DTYPES, BatchDataset, FieldBatch, collate_fields, field_tensor
 from .buffers import BatchPool, empty_batch
-from .decoding import Decoding
+from .decoding import Decoding, Sized, View
 from .fields import FieldDecoder, select_fields
+from .threads import DecodeThreads
 
 
 class PackedBatch(list):
@@ -41,6 +39,7 @@ class PackedBatch(list):
 
     images: torch.Tensor
     labels: torch.Tensor
+    sources: torch.Tensor | None = None  # a mixture's (packer.mix): the dataset each sample came from
 
 
 _DATASETS: dict[type[Reader], type[PackedDataset]] = {}  # filled as the subclasses below are defined
@@ -51,7 +50,7 @@ def _decoding_attribute(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.decoding, name), doc=doc)
 
 
-class PackedDataset(Dataset):
+class PackedDataset(BatchDataset):
     """A packed dataset as a torch Dataset. ``ds[i]`` is ``(image, label)``: a CHW tensor (uint8, or float when
     the dataset was packed with --normalize) and an int.
 
@@ -64,8 +63,11 @@ class PackedDataset(Dataset):
         threads: threads that decode one batch in ``__getitems__`` (default 1). :func:`packer.make_loader`
             passes its own to each batch read (:meth:`read_batch`) instead. Decoding releases the GIL.
         manifest: the manifest, when the caller has read it already.
-        resize: a read-time resize as the offline one (N: the shorter side; ``"WxH"``), cheaper than a transform.
-        center_crop: a read-time centre crop after the resize (N or ``"WxH"``), as the offline one.
+        resize: a read-time resize as the offline one (N: the shorter side; ``"WxH"``), cheaper than a transform;
+            or a function of the epoch that gives it (a resolution schedule: every batch of an epoch has that
+            epoch's size).
+        center_crop: a read-time centre crop after the resize (N or ``"WxH"``), as the offline one; or a function
+            of the epoch.
         interpolation: the read-time resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
         decoder: ``"auto"`` (simplejpeg for JPEG, else Pillow; a read-time crop resamples only the kept region, a
             random resized crop decodes JPEGs at a reduced DCT scale and resamples with OpenCV), ``"fast"`` (faster
@@ -74,6 +76,7 @@ class PackedDataset(Dataset):
             exactly); ``auto`` and ``fast`` within 30 dB PSNR of ``pil``.
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into decoding,
             its window a function of ``(seed, epoch, index)`` (:meth:`augment_params`); replaces the resize and crop.
+            Or a function of the epoch that gives the size (``lambda epoch: 160 + 32 * min(epoch, 10) // 10``).
         scale: the crop's area as a fraction of the image's, ``(min, max)``, as torchvision's.
         ratio: the crop's width / height, ``(min, max)``, as torchvision's.
         flip: mirror left-right with probability 0.5, drawn from the same ``(seed, epoch, index)`` stream.
@@ -110,9 +113,9 @@ class PackedDataset(Dataset):
     def __init__(self, root: str | os.PathLike | Reader, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
                  threads: int = 1, manifest: dict | None = None, fields: Sequence[str] | str | None = None,
-                 resize: int | str | Size | None = None, center_crop: int | str | Size | None = None,
+                 resize: Sized | None = None, center_crop: Sized | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
-                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 random_resized_crop: Sized | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0, **options: Any):
         if isinstance(root, Reader):
             if manifest is not None or options:
@@ -135,43 +138,70 @@ class PackedDataset(Dataset):
         self.decode = decode
         self.verify = verify
         self.threads = threads
-        self._executors: dict[int, ThreadPoolExecutor] = {}  # by thread count, this process's
-        self._executors_pid: int | None = None
+        self._threads = DecodeThreads()
         self._batches = BatchPool()  # main-process batch arrays, reused once nothing refers to them
         self.schema: list[Field] = list(getattr(reader, "schema", None) or schema_of(reader.manifest))
+        self._select(fields)
+
+    def _select(self, fields: Sequence[str] | str | None) -> None:
         selected = select_fields(self.schema, fields)
         self._pair = fields is None and is_pair_schema(self.schema)  # ds[i] is (image, label), as always
         self._as_dict = fields is None
         self._fields = FieldDecoder(self.schema, selected)
+
+    def with_fields(self, fields: Sequence[str] | str | None) -> PackedDataset:
+        """This dataset giving ``fields`` instead (as ``open_dataset``'s ``fields=`` takes them): a copy that
+        shares its reader and read-time options."""
+        copied = copy.copy(self)
+        copied._select(fields)
+        copied._threads, copied._batches = DecodeThreads(), BatchPool()
+        return copied
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose augmentation ``ds[i]`` uses when the index does not carry one (an ``EpochIndex``
         from packer's samplers does, and wins)."""
         self.decoding.set_epoch(epoch)
 
+    def epoch_view(self, epoch: int) -> View | None:
+        """The sizes a resolution schedule gives ``epoch`` (None without one): what packer's sampler sends with
+        each index of the epoch (:meth:`Decoding.epoch_view`)."""
+        return self.decoding.epoch_view(epoch)
+
     def augment_params(self, index: int, epoch: int | None = None) -> Window:
         """The random resized crop window and flip of sample ``index`` in ``epoch`` (default: the index's
         epoch, else :attr:`epoch`): ``(top, left, height, width, flipped)`` in the stored image's full-size
         pixels; the whole image without a random resized crop. See :meth:`Decoding.augment_params`."""
-        return self.decoding.augment_params(index, epoch)
+        epoch = getattr(index, "epoch", self.epoch) if epoch is None else epoch
+        return self.decoding.for_epoch(epoch).augment_params(index, epoch)
 
-    def output_shape(self) -> tuple[int, int, int] | None:
-        """(H, W, C) of every decoded image when it is fixed, else None."""
-        return self.decoding.output_shape()
+    def output_shape(self, epoch: int | None = None) -> tuple[int, int, int] | None:
+        """(H, W, C) of every decoded image of ``epoch`` (default :attr:`epoch`) when it is fixed, else None."""
+        return self.decoding.for_epoch(self.epoch if epoch is None else epoch).output_shape()
 
     def decode_array(self, index: int, sample: Sample, out: np.ndarray | None = None, epoch: int = 0) -> np.ndarray:
         """The sample as an (H, W, C) array with the read-time geometry and augmentation of ``epoch``
         (:meth:`Decoding.decode_array`)."""
-        return self.decoding.decode_array(index, sample, out, epoch)
+        return self.decoding.for_epoch(epoch).decode_array(index, sample, out, epoch)
 
     def row_decoder(self) -> Callable[[int, Sample, np.ndarray, int], np.ndarray]:
         """The decode of a batch's rows, chosen once per batch (:meth:`Decoding.row_decoder`)."""
-        return self.decoding.row_decoder()
+        return self.decoding.for_epoch(self.epoch).row_decoder()
 
     @property
     def fields(self) -> list[Field]:
         """The dataset's schema: every field (name, kind, shape) in stored order."""
         return list(self.schema)
+
+    @property
+    def gives(self) -> tuple[str, list[Field]]:
+        """What a sample is: ``"pair"`` (``(image, label)``), ``"dict"`` or ``"tuple"`` (``fields=``); and the
+        fields it gives, in order."""
+        return "pair" if self._pair else "dict" if self._as_dict else "tuple", list(self._fields.selected)
+
+    @property
+    def where(self) -> str:
+        """What messages name the dataset by: its folder."""
+        return str(self.root)
 
     @property
     def format(self) -> str:
@@ -202,8 +232,6 @@ class PackedDataset(Dataset):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_executors"] = {}
-        state["_executors_pid"] = None
         state["_batches"] = BatchPool()
         return state
 
@@ -217,45 +245,18 @@ class PackedDataset(Dataset):
             label = self.target_transform(label)
         return image, label
 
-    def _parallel(self, fn: Callable, items: list, threads: int) -> None:
-        """Run ``fn`` over ``items`` on ``threads`` threads: this one and ``threads - 1`` of a pool this process
-        keeps. Each thread takes the next item until none is left: one task per thread rather than a future per
-        item, and the calling thread (the loader's prefetch thread) decodes instead of waiting."""
-        if threads <= 1 or len(items) < 2:
-            for item in items:
-                fn(item)
-            return
-        if self._executors_pid != os.getpid():  # a forked child has none of its parent's threads
-            self._executors, self._executors_pid = {}, os.getpid()
-        executor = self._executors.get(threads)
-        if executor is None:
-            executor = self._executors[threads] = ThreadPoolExecutor(threads - 1, thread_name_prefix="packer-decode")
-        taken = itertools.count()  # its next() is one C call under the GIL: every item goes to exactly one thread
-
-        def drain() -> None:
-            for k in taken:
-                if k >= len(items):
-                    return
-                fn(items[k])
-
-        helpers = [executor.submit(drain) for _ in range(min(threads, len(items)) - 1)]
-        try:
-            drain()
-        finally:
-            for helper in helpers:
-                helper.result()  # waits for every thread; re-raises the first error a helper met
-
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         if not self.decode:
             return self.raw_sample(index)
         epoch = getattr(index, "epoch", self.epoch)  # before normalising: index % n drops it
+        decoding = self.decoding.of([index], self.epoch)
         index = self.reader.check_index(index)
         self.reader.open()
         if not self._pair:
             raw = self.reader.read_fields(index, self.verify) if self._fields.needs_fields else {}
-            return self._item(index, self._verified(index, self.reader.read(index)), raw, epoch)
+            return self._item(decoding, index, self._verified(index, self.reader.read(index)), raw, epoch)
         sample = self._verified(index, self.reader.read(index))
-        arr = self.decode_array(index, sample, epoch=epoch)
+        arr = decoding.decode_array(index, sample, epoch=epoch)
         image = torch.from_numpy(np.array(arr) if not arr.flags.writeable else arr).permute(2, 0, 1)
         return self._finish(image, sample.label)
 
@@ -283,7 +284,7 @@ class PackedDataset(Dataset):
         threads = self.threads if threads is None else threads
         if not self._pair:
             return self._read_fields_batch(indices, threads, pin_memory)
-        shape = self.output_shape()
+        shape = self.decoding.of(indices, self.epoch).output_shape()
         if shape is None:  # images of varying size: each its own array, decoded on the threads all the same
             return self._read_varying(indices, threads)
         batch = empty_batch((len(indices), *shape), self.output_dtype(), pin_memory, self._batches)
@@ -296,7 +297,8 @@ class PackedDataset(Dataset):
         result.images, result.labels = images, labels
         return result
 
-    def decode_into(self, indices: list[int], out: np.ndarray, threads: int = 1) -> list[int] | np.ndarray:
+    def decode_into(self, indices: list[int], out: np.ndarray, threads: int = 1,
+                    rows: Sequence[int] | None = None) -> list[int] | np.ndarray:
         """Decode samples into the rows of a caller's array: what :meth:`read_batch` does after allocating its
         batch, and what packer's worker processes run into their shared-memory slots.
 
@@ -304,21 +306,24 @@ class PackedDataset(Dataset):
             indices: sample indices (an ``EpochIndex`` carries the epoch its augmentation uses).
             out: a C-contiguous ``(len(indices), H, W, C)`` array of :meth:`output_shape` and the stored dtype.
             threads: decode threads.
+            rows: the row of ``out`` each index is written into (default: in order); ``out`` may then have more.
 
         Returns:
             The labels, in order (no ``target_transform``: that is applied per item).
         """
         reader = self.reader
+        decoding = self.decoding.of(indices, self.epoch)
         indices, epochs = self._batch_indices(indices)
-        copies_only = self._copies_only()
-        labels = reader.gather_raw(indices, out) if copies_only and not self.verify else None
+        copies_only = self._copies_only(decoding)
+        labels = reader.gather_raw(indices, out) if copies_only and not self.verify and rows is None else None
         if labels is None:
             samples = reader.read_many(indices)
-            decode_row = self.row_decoder()
-            fill = lambda j: decode_row(indices[j], self._verified(indices[j], samples[j]), out[j],  # noqa: E731
+            decode_row = decoding.row_decoder()
+            at = range(len(indices)) if rows is None else rows
+            fill = lambda j: decode_row(indices[j], self._verified(indices[j], samples[j]), out[at[j]],  # noqa: E731
                                         epochs[j])
             # a copy each is less work than handing it to a thread
-            self._parallel(fill, list(range(len(indices))), 1 if copies_only else threads)
+            self._threads.run(fill, list(range(len(indices))), 1 if copies_only else threads)
             return [s.label for s in samples]
         return labels
 
@@ -333,16 +338,19 @@ class PackedDataset(Dataset):
             values[label] = self.target_transform(values[label])
         return values if self._as_dict else tuple(values.values())
 
-    def _item(self, index: int, sample: Sample, raw: dict, epoch: int) -> Any:
+    def _item(self, decoding: Decoding, index: int, sample: Sample, raw: dict, epoch: int) -> Any:
         """``ds[index]`` of a dataset with fields, from its stored sample and raw field bytes."""
-        values = self._fields.sample_values(self.decoding, index, sample, raw, epoch)
+        values = self._fields.sample_values(decoding, index, sample, raw, epoch)
         by_name = {f.name: f for f in self._fields.selected}
         return self._package({name: field_tensor(by_name[name], v) for name, v in values.items()})
 
-    def batch_layout(self) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
-        """The batch tensors one batch row of this dataset fills, ``(name, row shape, dtype)``: the images
-        (H, W, C), and each image or mask field selected; None when images vary in size."""
-        shape = self.output_shape()
+    def batch_layout(self, epoch: int | None = None, decoding: Decoding | None = None
+                     ) -> list[tuple[str, tuple[int, ...], torch.dtype]] | None:
+        """The batch tensors one batch row of this dataset fills in ``epoch`` (default :attr:`epoch`), ``(name,
+        row shape, dtype)``: the images (H, W, C), and each image or mask field selected; None when images vary
+        in size."""
+        decoding = decoding or self.decoding.for_epoch(self.epoch if epoch is None else epoch)
+        shape = decoding.output_shape()
         if shape is None:
             return None
         layout = [("image", tuple(shape), self.output_dtype())] if self._pair or self._fields.image else []
@@ -351,52 +359,39 @@ class PackedDataset(Dataset):
             layout.append((field.name, self._fields.row_shape(field, shape), dtype))
         return layout
 
-    def decode_rows(self, indices: list[int], outs: dict[str, np.ndarray], threads: int = 1
-                    ) -> tuple[list[int], dict[str, list]]:
+    def decode_rows(self, indices: list[int], outs: dict[str, np.ndarray], threads: int = 1,
+                    rows: Sequence[int] | None = None) -> tuple[list[int], dict[str, list]]:
         """Decode a batch of a dataset with fields: each dense field into the rows of its array in ``outs``
-        (:meth:`batch_layout`), the rest into lists. What :meth:`read_batch` and packer's worker processes run.
+        (:meth:`batch_layout`; index j into row ``rows[j]``, default j), the rest into lists. What
+        :meth:`read_batch` and packer's worker processes run.
 
         Returns:
             The labels, and the values of the fields that are not dense, by name (one list each).
         """
         reader, fields = self.reader, self._fields
+        decoding = self.decoding.of(indices, self.epoch)
         indices, epochs = self._batch_indices(indices)
         samples = reader.read_many(indices)
         raws = reader.read_fields_many(indices, self.verify) if fields.needs_fields else [{}] * len(indices)
         values: dict[str, list] = {f.name: [None] * len(indices) for f in fields.selected if f.name not in outs}
-        decode_row = self.row_decoder() if fields.image else None
+        decode_row = decoding.row_decoder() if fields.image else None
+        at = range(len(indices)) if rows is None else rows
 
         def fill(j: int) -> None:
             index = indices[j]
-            row = fields.sample_values(self.decoding, index, self._verified(index, samples[j]), raws[j], epochs[j],
-                                       {name: out[j] for name, out in outs.items()}, decode_row)
+            row = fields.sample_values(decoding, index, self._verified(index, samples[j]), raws[j], epochs[j],
+                                       {name: out[at[j]] for name, out in outs.items()}, decode_row)
             for name, column in values.items():
                 column[j] = row[name]
 
-        self._parallel(fill, list(range(len(indices))), threads)
+        self._threads.run(fill, list(range(len(indices))), threads)
         return [s.label for s in samples], values
 
     def field_batch(self, tensors: dict[str, torch.Tensor], labels: list[int], values: dict[str, list]) -> Any:
         """The batch of a dataset with fields: dense fields as their batch tensors (images NCHW), the label and
         fixed-shape numbers stacked, text, JSON, bytes and variable-length vectors as lists; a dict, or a tuple
         in the ``fields=`` order."""
-        fields = self._fields
-        batch: dict[str, Any] = {}
-        for field in fields.selected:
-            name = field.name
-            if name in tensors:
-                t = tensors[name]
-                batch[name] = t.permute(0, 3, 1, 2) if t.dim() == 4 else t
-            elif name == fields.label_name:
-                batch[name] = torch.as_tensor(labels, dtype=torch.int64)
-            elif field.kind in ("int64", "float32") and field.shape is not None:
-                dtype = "<i8" if field.kind == "int64" else "<f4"
-                batch[name] = torch.from_numpy(np.stack([np.asarray(v, dtype) for v in values[name]])
-                                               if values[name] else np.zeros((0, *field.shape), dtype))
-            elif field.kind in ("int64", "float32"):
-                batch[name] = [field_tensor(field, v) for v in values[name]]
-            else:
-                batch[name] = values[name]
+        batch = collate_fields(self._fields.selected, self._fields.label_name, tensors, labels, values)
         return batch if self._as_dict else tuple(batch.values())
 
     def decode_slot(self, indices: list[int], arrays: list[np.ndarray]) -> Any:
@@ -405,7 +400,7 @@ class PackedDataset(Dataset):
         dataset with fields the other values)."""
         if self._pair:
             return self.decode_into(indices, arrays[0])
-        layout = cast(list, self.batch_layout())  # not None: slots are made only for batches of one layout
+        layout = cast(list, self.batch_layout(decoding=self.decoding.of(indices, self.epoch)))  # slots: one layout
         return self.decode_rows(indices, {name: a for (name, _, _), a in zip(layout, arrays, strict=True)})
 
     def slot_batch(self, tensors: list[torch.Tensor], result: Any) -> Any:
@@ -417,7 +412,7 @@ class PackedDataset(Dataset):
         return self.field_batch(dict(zip(names, tensors, strict=True)), *result)
 
     def _read_fields_batch(self, indices: list[int], threads: int, pin_memory: bool) -> list:
-        layout = self.batch_layout()
+        layout = self.batch_layout(decoding=self.decoding.of(indices, self.epoch))
         if layout is None or self.transform is not None or self.target_transform is not None:
             return self._read_field_items(indices, threads)
         n = len(indices)
@@ -434,15 +429,16 @@ class PackedDataset(Dataset):
     def _read_field_items(self, indices: list[int], threads: int) -> list:
         """Each sample on its own (images of varying size, or a per-item transform), decoded on the threads."""
         reader = self.reader
+        decoding = self.decoding.of(indices, self.epoch)
         indices, epochs = self._batch_indices(indices)
         samples = reader.read_many(indices)
         raws = reader.read_fields_many(indices, self.verify) if self._fields.needs_fields else [{}] * len(indices)
         items: list = [None] * len(indices)
 
         def read_item(j: int) -> None:
-            items[j] = self._item(indices[j], self._verified(indices[j], samples[j]), raws[j], epochs[j])
+            items[j] = self._item(decoding, indices[j], self._verified(indices[j], samples[j]), raws[j], epochs[j])
 
-        self._parallel(read_item, list(range(len(indices))), threads)
+        self._threads.run(read_item, list(range(len(indices))), threads)
         result = FieldBatch(items)
         result.fields = self._fields.selected
         return result
@@ -451,8 +447,8 @@ class PackedDataset(Dataset):
         """The dtype of the images this dataset gives: uint8, or the float type it was packed with."""
         return {"float16": torch.float16, "float32": torch.float32}.get(self.spec.dtype, torch.uint8)
 
-    def _copies_only(self) -> bool:
-        return self.reader.is_raw and not (self.resize or self.center_crop or self.augments)
+    def _copies_only(self, decoding: Decoding) -> bool:
+        return self.reader.is_raw and not (decoding.resize or decoding.center_crop or decoding.augments)
 
     def _batch_indices(self, indices: list[int]) -> tuple[list[int], list[int]]:
         """The indices in range, and each one's epoch, taken first: ``index % n`` drops an EpochIndex's. Opens
@@ -464,15 +460,16 @@ class PackedDataset(Dataset):
 
     def _read_varying(self, indices: list[int], threads: int) -> list:
         reader = self.reader
+        decoding = self.decoding.of(indices, self.epoch)
         indices, epochs = self._batch_indices(indices)
         samples = reader.read_many(indices)
         arrays: list = [None] * len(indices)
 
         def decode_one(j: int) -> None:
-            arr = self.decode_array(indices[j], self._verified(indices[j], samples[j]), epoch=epochs[j])
+            arr = decoding.decode_array(indices[j], self._verified(indices[j], samples[j]), epoch=epochs[j])
             arrays[j] = arr if arr.flags.writeable else np.array(arr)
 
-        self._parallel(decode_one, list(range(len(indices))), 1 if self._copies_only() else threads)
+        self._threads.run(decode_one, list(range(len(indices))), 1 if self._copies_only(decoding) else threads)
         return [self._finish(torch.from_numpy(arr).permute(2, 0, 1), s.label)
                 for arr, s in zip(arrays, samples, strict=True)]
 
@@ -529,9 +526,9 @@ _READER_OPTIONS = {"readahead": "lmdb", "locking": "hdf5"}  # open_dataset's rea
 
 def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
                  target_transform: Callable | None = None, decode: bool = True, verify: bool = False,
-                 threads: int = 1, resize: int | str | Size | None = None, center_crop: int | str | Size | None = None,
+                 threads: int = 1, resize: Sized | None = None, center_crop: Sized | None = None,
                  interpolation: str = "bilinear", decoder: str = "auto",
-                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 random_resized_crop: Sized | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0,
                  fields: Sequence[str] | str | None = None, readahead: bool | None = None, locking: bool | None = None,
                  storage_options: dict | None = None, cache_dir: str | os.PathLike | None = None,
@@ -551,7 +548,8 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
         interpolation: the resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
         decoder: ``"auto"``, ``"fast"`` or ``"pil"`` (see :class:`PackedDataset`).
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into
-            decoding; replaces ``resize``/``center_crop``.
+            decoding; replaces ``resize``/``center_crop``. It, ``resize`` and ``center_crop`` may each be a
+            function of the epoch giving the size (a resolution schedule): see :class:`PackedDataset`.
         scale: the crop's area as a fraction of the image's, ``(min, max)``: finite, ``0 < min <= max``.
         ratio: the crop's width / height, ``(min, max)``: finite, from 1e-6 to 1e6.
         flip: mirror left-right with probability 0.5.

@@ -9,6 +9,8 @@ stored bytes.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +19,7 @@ import numpy as np
 import simplejpeg
 
 from .. import arguments
-from ..errors import CorruptDataError, ImageError
+from ..errors import CorruptDataError, ImageError, PackerError, UsageError
 from ..formats.base import Reader, Sample
 from ..images.resample import resample
 from ..images.transforms import (
@@ -47,6 +49,12 @@ from .augment import (
     uniform_stream,
     write_image,
 )
+from .indices import EpochIndex
+
+# a read-time size, or a function of the epoch that gives one (a resolution schedule)
+Sized = int | str | tuple[int, int] | Callable[[int], Any]
+# an epoch's scheduled sizes, ((name, size), ...): hashable, picklable, small
+View = tuple[tuple[str, Any], ...]
 
 # Where decoded pixels should start: simplejpeg decodes fastest into rows a few bytes past a 64-byte boundary,
 # not on one (docs/benchmarks.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
@@ -102,31 +110,117 @@ class Decoding:
             :class:`packer.reading.dataset.PackedDataset` takes them.
     """
 
-    def __init__(self, reader: Reader, resize: int | str | tuple[int, int] | None = None,
-                 center_crop: int | str | tuple[int, int] | None = None, interpolation: str = "bilinear",
-                 decoder: str = "auto",
-                 random_resized_crop: int | tuple[int, int] | None = None, scale: tuple[float, float] = (0.08, 1.0),
+    def __init__(self, reader: Reader, resize: Sized | None = None, center_crop: Sized | None = None,
+                 interpolation: str = "bilinear", decoder: str = "auto",
+                 random_resized_crop: Sized | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = False, seed: int = 0):
         self.reader = reader
         self.spec = reader.spec
-        crop = parse_size(center_crop)
-        self.resize = parse_size(resize)
-        self.center_crop = as_pair(crop)
+        given = {"random_resized_crop": random_resized_crop, "resize": resize, "center_crop": center_crop}
+        # the sizes given as a function of the epoch (a resolution schedule); the others are fixed
+        self.schedule: dict[str, Callable[[int], Any]] = {k: v for k, v in given.items() if callable(v)}
+        self._lost: tuple[str, ...] = ()  # scheduled sizes whose function did not pickle into this process
+        self._views: dict[View, Decoding] = {}
         self.interpolation = interpolation
         self.decoder = decoder
         self.max_pixels = self.spec.max_pixels
         if decoder not in ("auto", "fast", "pil"):
             raise ValueError("decoder must be 'auto', 'fast' or 'pil'")
-        self.random_resized_crop = _height_width(random_resized_crop)
+        self._set_sizes({k: v for k, v in given.items() if k not in self.schedule})
         self.scale = arguments.crop_scale(scale)
         self.ratio = arguments.crop_ratio(ratio)
         self.flip = arguments.flag("flip", flip)
         self.seed = arguments.seed("seed", seed)
         self.epoch = 0
+        if self.schedule:  # the first epoch's sizes: checked now, and what the attributes say until an epoch's
+            self._set_sizes(dict(self.epoch_view(0)))
         if self.random_resized_crop and (self.resize or self.center_crop):
             raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
         if (self.resize or self.center_crop or self.augments) and self.spec.normalize:
             raise ValueError("read-time resize/crop/flip needs uint8 images; this dataset stores normalized floats")
+
+    def _set_sizes(self, sizes: dict[str, Any]) -> None:
+        """Set the read-time sizes named in ``sizes`` (``random_resized_crop``, ``resize``, ``center_crop``)."""
+        if "random_resized_crop" in sizes:
+            self.random_resized_crop = _height_width(sizes["random_resized_crop"])
+        if "resize" in sizes:
+            self.resize = parse_size(sizes["resize"])
+        if "center_crop" in sizes:
+            self.center_crop = as_pair(parse_size(sizes["center_crop"]))
+
+    # -- resolution schedules ----------------------------------------------------------------------------------------
+    def epoch_view(self, epoch: int) -> View | None:
+        """The sizes a resolution schedule gives ``epoch``, as ``((name, size), ...)`` (None without a schedule):
+        computed in the process that holds the schedule's functions (the loader's), and sent with each index of
+        the epoch (:class:`~packer.loading.sampler.EpochIndex`'s ``view``) to the processes that decode.
+
+        Raises:
+            ValueError: (one line) a schedule that returns no valid size for ``epoch``, naming it.
+            PackerError: the schedule's function did not pickle into this process and the index carried no view.
+        """
+        if not self.schedule and not self._lost:
+            return None
+        if self._lost:
+            raise PackerError(f"the schedule of {', '.join(self._lost)} (a function of the epoch) did not pickle "
+                              "into this process: read through packer.make_loader, which sends each epoch's size "
+                              "with its indices, or give a picklable function (defined at module level)")
+        view = []
+        for name, fn in self.schedule.items():
+            size = fn(epoch)
+            try:
+                checked = _height_width(size) if name == "random_resized_crop" else parse_size(size)
+            except ValueError as exc:
+                raise UsageError(f"{name}'s schedule gave {size!r} for epoch {epoch}: {exc}") from None
+            if checked is None:
+                raise UsageError(f"{name}'s schedule gave None for epoch {epoch}; it must give a size every epoch")
+            view.append((name, checked))
+        return tuple(view)
+
+    def at(self, view: View | None) -> Decoding:
+        """This decoding with the sizes of ``view`` (an :meth:`epoch_view`); itself for None."""
+        if view is None:
+            return self
+        found = self._views.get(view)
+        if found is None:
+            found = copy.copy(self)
+            found.schedule, found._lost, found._views = {}, (), {}
+            found._set_sizes(dict(view))
+            if len(self._views) >= 8:  # a schedule's few recent sizes
+                self._views.pop(next(iter(self._views)))
+            self._views[view] = found
+        return found
+
+    def for_epoch(self, epoch: int, view: View | None = None) -> Decoding:
+        """The decoding of ``epoch``: at ``view`` when given (what an index carried), else at the schedule's."""
+        if view is None and not self.schedule and not self._lost:
+            return self
+        return self.at(view if view is not None else self.epoch_view(epoch))
+
+    def of(self, indices: list, epoch: int) -> Decoding:
+        """The decoding of a batch of ``indices``: of the epoch an ``EpochIndex`` carries (at the sizes it
+        carries), else of ``epoch``. Under a schedule a batch is of one epoch (one size): one of several is refused."""
+        first = indices[0] if indices else None
+        view = first.view if isinstance(first, EpochIndex) else None  # (a tensor has a view too, a method)
+        decoding = self.for_epoch(getattr(first, "epoch", epoch), view)
+        if decoding is not self:  # a schedule: every index of the batch must be of the first's epoch
+            epochs = {getattr(i, "epoch", epoch) for i in indices}
+            if len(epochs) > 1:
+                raise UsageError(f"a batch of a dataset with a resolution schedule holds samples of one epoch (one "
+                                 f"size); this one holds epochs {sorted(epochs)}")
+        return decoding
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_views"] = {}
+        kept, lost = {}, list(self._lost)
+        for name, fn in self.schedule.items():
+            try:
+                pickle.dumps(fn)
+                kept[name] = fn
+            except Exception:  # a lambda or closure under spawn: the loader sends each epoch's sizes instead
+                lost.append(name)
+        state["schedule"], state["_lost"] = kept, tuple(lost)
+        return state
 
     @property
     def augments(self) -> bool:
