@@ -170,3 +170,20 @@ class Poll:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def noise_pack(root: Path, fmt: str, count: int, classes: list[str], seed: int, side: int = 16, **pack) -> Path:
+    """``count`` distinct side x side noise images in ``classes`` (sample i in class i % len), packed raw as
+    ``fmt`` into ``root/FMT-SEED`` (with ``center_crop=side``: the manifest records their one shape); different
+    seeds give different images."""
+    import packer
+
+    rng = np.random.default_rng(seed)
+    src = root / f"src-{seed}"
+    for i in range(count):
+        path = src / classes[i % len(classes)] / f"img{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(path)
+    dest = root / f"{fmt}-{seed}"
+    packer.pack(src, dest, fmt, **{"store": "raw", "center_crop": side, "progress": False, "workers": 1, **pack})
+    return dest

@@ -1,16 +1,19 @@
-"""One process of a resume test (test_resume_loader.py, test_stream_elastic.py): ``resume_worker.py JOBS.json``,
-run plainly or under ``torchrun``. Each job makes ``packer.make_loader`` over a dataset (or ``packer.stream``),
+"""One process of a resume test (test_resume_loader.py, test_stream_elastic.py, test_mix_loader.py):
+``resume_worker.py JOBS.json``, run plainly or under ``torchrun``. Each job makes ``packer.make_loader`` over a
+dataset (or ``packer.stream``),
 loads a saved state (if any), iterates up to a stop point or to the end of epoch ``epochs - 1``, saves the state
 there and writes what it saw.
 
 A job: ``{"path", "open": {kwargs of open_dataset}, "loader": {kwargs of make_loader} (or "stream": {kwargs of
-stream}), "epochs", "state_in": file or null, "stop": {"after_batches": n} | {"after_epochs": n} | null,
-"state_out", "out", "sync": optional, true to wait for every rank after each batch (DDP's per-step all-reduce
-keeps training ranks together; without it a rank may run far ahead of the others)}``. Output (``out``, with
-``{rank}`` replaced): ``{"batches": [[epoch, digest, labels, indices]...], "state", "states_equal", "world",
-"lengths"}``; ``indices`` recognises samples by their pixels in the dataset opened without augmentation (None
-when a sample is not found there), or in ``"table": {"path", "open": {kwargs of open_dataset}}`` when the job
-gives one (a URL's local copy, opened with the same resize).
+stream}; or "mix": {"paths", "weights", "seed", "samples_per_epoch"}: ``packer.mix`` over those datasets, each
+opened with "open", read by make_loader with "loader"), "epochs", "state_in": file or null, "stop":
+{"after_batches": n} | {"after_epochs": n} | null, "state_out", "out", "sync": optional, true to wait for every
+rank after each batch (DDP's per-step all-reduce keeps training ranks together; without it a rank may run far
+ahead of the others)}``. Output (``out``, with ``{rank}`` replaced): ``{"batches": [[epoch, digest, labels,
+indices]...], "state", "states_equal", "world", "lengths"}``; ``indices`` recognises samples by their pixels in
+the dataset opened without augmentation (None when a sample is not found there), or in ``"table": {"path",
+"open": {kwargs of open_dataset}}`` when the job gives one (a URL's local copy, opened with the same resize); for
+a mixture, as ``[source, index]`` in its datasets opened plainly, with each batch's sources after its indices.
 """
 
 from __future__ import annotations
@@ -30,12 +33,25 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha1(tensor.contiguous().numpy().tobytes()).hexdigest()
 
 
-def run(job: dict, rank: int, world: int) -> None:
-    table_of = job.get("table", {"path": job["path"]})  # where samples are recognised: a URL's local copy
+def recognised(job: dict) -> dict:
+    """Each sample's index (for a mixture: ``[source, index]``) by its pixels."""
+    if "mix" in job:
+        plains = [packer.open_dataset(path) for path in job["mix"]["paths"]]
+        return {digest(ds[i][0]): [k, i] for k, ds in enumerate(plains) for i in range(len(ds))}
+    table_of = job.get("table", {"path": job.get("path")})  # where samples are recognised: a URL's local copy
     plain = packer.open_dataset(table_of["path"], **table_of.get("open", {}))
-    table = {digest(plain[i][0]): i for i in range(len(plain))}
+    return {digest(plain[i][0]): i for i in range(len(plain))}
+
+
+def run(job: dict, rank: int, world: int) -> None:
+    table = recognised(job)
     if "stream" in job:  # packer.stream(path, **job["stream"])
         loader = packer.stream(job["path"], **job["stream"])
+    elif "mix" in job:
+        spec = job["mix"]
+        mixed = packer.mix([packer.open_dataset(path, **job["open"]) for path in spec["paths"]], spec.get("weights"),
+                           seed=spec.get("seed", 0), samples_per_epoch=spec.get("samples_per_epoch"))
+        loader = packer.make_loader(mixed, **job["loader"])
     else:
         loader = packer.make_loader(packer.open_dataset(job["path"], **job["open"]), **job["loader"])
     start = 0
@@ -48,8 +64,9 @@ def run(job: dict, rank: int, world: int) -> None:
     batches, lengths, done = [], [], False
     for epoch in range(start, job["epochs"]):
         lengths.append(len(loader))
-        for images, labels in loader:
-            batches.append([epoch, digest(images), labels.tolist(), [table.get(digest(im)) for im in images]])
+        for images, labels, *sources in loader:
+            batches.append([epoch, digest(images), labels.tolist(), [table.get(digest(im)) for im in images],
+                            *(s.tolist() for s in sources)])
             if job.get("sync") and world > 1:
                 dist.barrier()
             if len(batches) == stop.get("after_batches"):
