@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.packed import noise_pack, pixel_digest
+from support.packed import noise_pack, pixel_digest, stop_and_resume
 from support.processes import launch, one_line_value_error, read_out
 
 import packer
@@ -58,17 +58,8 @@ def test_resumes_exactly_at_every_batch_boundary(packs, workers, schedule):
     assert [len(e) for e in whole] == [nb, nb] and whole[0] != whole[1]
     if schedule:
         assert {b[1][2:] for b in whole[0]} == {(8, 8)} and {b[1][2:] for b in whole[1]} == {(12, 12)}
-    for stop in range(nb + 1):
-        first = make()
-        seen = digests(first, stop) if stop else []
-        state = first.state_dict()
-        resumed = make()  # a new mixture and loader, as after a restart
-        resumed.load_state_dict(state)
-        assert len(resumed) == (nb - stop or nb)
-        seen += digests(resumed)
-        if stop < nb:
-            seen += digests(resumed)
-        assert seen == whole[0] + whole[1], f"stopped after {stop} batches"
+    for stop in range(nb + 1):  # a new mixture and loader resume, as after a restart
+        assert stop_and_resume(make, digests, stop, nb) == whole[0] + whole[1], f"stopped after {stop} batches"
 
 
 def test_ranks_share_one_order_and_resume_it_at_another_world_size(packs):
@@ -178,13 +169,9 @@ def test_a_stream_mixture_draws_its_counts_each_round_whole_and_resumes_at_the_b
     for workers, other in ((0, 2), (2, 0)):
         assert stream_reads(stream_mixture(packs, workers), table) == epochs[0]
         for stop in (1, nb // 2, nb - 1, nb):
-            first = stream_mixture(packs, workers)
-            seen = stream_reads(first, table, stop)
-            resumed = stream_mixture(packs, other)
-            resumed.load_state_dict(first.state_dict())
-            seen += stream_reads(resumed, table)
-            if stop < nb:
-                seen += stream_reads(resumed, table)
+            seen = stop_and_resume(lambda w=workers: stream_mixture(packs, w),
+                                   lambda loader, stop=None: stream_reads(loader, table, stop), stop, nb,
+                                   lambda o=other: stream_mixture(packs, o))
             assert seen == epochs[0] + epochs[1], (workers, stop)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import noise_folder
-from support.packed import FORMATS
+from support.packed import FORMATS, stop_and_resume
 from support.processes import launch, read_out, stream_of
 
 import packer
@@ -361,17 +361,7 @@ def test_stream_resumes_at_the_batch(packs, workers):
     assert sorted(sum(whole[0], [])) == sorted(sum(whole[1], [])) and whole[0] != whole[1]
     nb = len(whole[0])
     for stop in (1, nb // 2, nb - 1, nb):
-        first = make()
-        seen = labels_of(first, stop)
-        state = first.state_dict()
-        assert json.loads(json.dumps(state)) == state
-        resumed = make()
-        resumed.load_state_dict(state)
-        assert len(resumed) == (nb - stop or nb)
-        seen += labels_of(resumed)
-        if stop < nb:
-            seen += labels_of(resumed)
-        assert seen == whole[0] + whole[1], f"stopped after {stop} batches"
+        assert stop_and_resume(make, labels_of, stop, nb) == whole[0] + whole[1], f"stopped after {stop} batches"
     first = make()  # another number of workers resumes exactly: the order does not depend on it
     seen = labels_of(first, nb // 2)
     other = packer.stream(packs["wds"], BATCH, num_workers=3 - workers, seed=SEED)

@@ -187,3 +187,22 @@ def noise_pack(root: Path, fmt: str, count: int, classes: list[str], seed: int, 
     dest = root / f"{fmt}-{seed}"
     packer.pack(src, dest, fmt, **{"store": "raw", "center_crop": side, "progress": False, "workers": 1, **pack})
     return dest
+
+
+def stop_and_resume(make, take, stop: int, epoch_batches: int, make_resumed=None) -> list:
+    """What a loader gives when stopped after ``stop`` batches of its first epoch and resumed from its state by a
+    new loader (``make_resumed()``, default ``make()``), through the end of the second epoch. ``take(loader,
+    stop=None)`` reads one pass of a loader (up to ``stop`` batches). The state must be plain JSON."""
+    import json
+
+    first = make()
+    seen = take(first, stop) if stop else []
+    state = first.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    resumed = (make_resumed or make)()
+    resumed.load_state_dict(state)
+    assert len(resumed) == (epoch_batches - stop or epoch_batches), "len() of the resumed epoch: its batches left"
+    seen += take(resumed)
+    if stop < epoch_batches:
+        seen += take(resumed)
+    return seen
