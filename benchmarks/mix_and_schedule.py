@@ -1,7 +1,8 @@
 """A mixture against one dataset, and a resolution schedule against a fixed size: the training pipeline's
 throughput, side by side in one run (issue 48).
 
-    python benchmarks/mix_and_schedule.py                     # the photos of scripts/make_sample_data.py
+    python benchmarks/mix_and_schedule.py --prepare           # make the photos and the packs (not timed)
+    python benchmarks/mix_and_schedule.py                     # measure
     python benchmarks/mix_and_schedule.py --data /tmp/img --images 2000 --out bench-out/mix
 
 The image folder is packed twice, the same images in two formats (``--store jpeg --resize 256``): LMDB and
@@ -110,13 +111,16 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(REPO / "bench-out" / "mix-data"), help="an image folder")
-    parser.add_argument("--images", type=int, default=2000, help="images to make when --data does not exist")
+    parser.add_argument("--images", type=int, default=1000, help="images to make when --data does not exist")
     parser.add_argument("--out", default=str(REPO / "bench-out" / "mix"), help="where the packs go")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--prepare", action="store_true", help="only make the data and the packs")
     args = parser.parse_args()
     lmdb, wds = ensure_packs(Path(args.data), Path(args.out), args.images)
+    if args.prepare:
+        return
     result = measure(lmdb, wds, args.batch_size, args.repeats)
     print(table(result))
     print(f"\n{result['images']} images, batch {result['batch_size']}, median of {result['repeats']}; "
