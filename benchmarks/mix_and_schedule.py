@@ -15,8 +15,9 @@ batches of ``--batch-size``, ``random_resized_crop`` and ``flip``, pages warm (a
 - **schedule**: ``random_resized_crop=lambda e: 128 + 32 * e`` (128, 160, 192, 224) against a fixed 224, per
   epoch: images/s of each and ``schedule/fixed``; the last epoch is 224 in both (what the schedule itself costs).
 
-Each timed epoch is taken ``--repeats`` times, the loaders taking turns (so that both sides of a ratio see the
-same machine), and the median kept. Prints a markdown table; ``--json`` also writes the figures.
+Each figure is ``--passes`` epochs (of the same epoch number, for the schedule), taken ``--repeats`` times, the
+loaders taking turns (so that both sides of a ratio see the same machine), and the median kept. Prints a markdown
+table; ``--json`` also writes the figures.
 """
 
 from __future__ import annotations
@@ -53,17 +54,19 @@ def ensure_packs(data: Path, out: Path, images: int) -> tuple[Path, Path]:
     return packs
 
 
-def epoch_rate(loader, epoch: int | None = None) -> float:
-    """Images per second over one epoch of ``loader`` (epoch ``epoch`` when given)."""
-    if epoch is not None:
-        loader.set_epoch(epoch)
+def epoch_rate(loader, epoch: int | None = None, passes: int = 1) -> float:
+    """Images per second over ``passes`` passes of ``loader``: each of epoch ``epoch`` when given, else the
+    loader's next epochs."""
     start, n = time.perf_counter(), 0
-    for batch in loader:
-        n += len(batch[0])
+    for _ in range(passes):
+        if epoch is not None:
+            loader.set_epoch(epoch)
+        for batch in loader:
+            n += len(batch[0])
     return n / (time.perf_counter() - start)
 
 
-def measure(lmdb: Path, wds: Path, batch_size: int, repeats: int) -> dict:
+def measure(lmdb: Path, wds: Path, batch_size: int, repeats: int, passes: int) -> dict:
     augment = {"random_resized_crop": 224, "flip": True}
     single = {name: packer.open_dataset(path, **augment) for name, path in (("lmdb", lmdb), ("wds", wds))}
     n = len(single["lmdb"])
@@ -80,17 +83,18 @@ def measure(lmdb: Path, wds: Path, batch_size: int, repeats: int) -> dict:
     rates: dict[str, list[float]] = {name: [] for name in ("lmdb", "wds", "mixture")}
     for _ in range(repeats):
         for name in rates:
-            rates[name].append(epoch_rate(loaders[name]))
+            rates[name].append(epoch_rate(loaders[name], passes=passes))
     per_epoch = []
     for epoch, size in enumerate(SIZES):
         taken = {"schedule": [], "fixed": []}
         for _ in range(repeats):
             for name in taken:
-                taken[name].append(epoch_rate(loaders[name], epoch))
+                taken[name].append(epoch_rate(loaders[name], epoch, passes))
         per_epoch.append({"epoch": epoch, "size": size, **{k: statistics.median(v) for k, v in taken.items()}})
     medians = {name: statistics.median(v) for name, v in rates.items()}
     both = 2 / (1 / medians["lmdb"] + 1 / medians["wds"])
-    return {"images": n, "batch_size": batch_size, "repeats": repeats, "cores": os.cpu_count(), "plans": plans,
+    return {"images": n, "batch_size": batch_size, "repeats": repeats, "passes": passes, "cores": os.cpu_count(),
+            "plans": plans,
             "mixture": {**medians, "both": both, "runs": rates}, "schedule": per_epoch}
 
 
@@ -115,15 +119,17 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench-out" / "mix"), help="where the packs go")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=5, help="epochs each timed figure spans")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--prepare", action="store_true", help="only make the data and the packs")
     args = parser.parse_args()
     lmdb, wds = ensure_packs(Path(args.data), Path(args.out), args.images)
     if args.prepare:
         return
-    result = measure(lmdb, wds, args.batch_size, args.repeats)
+    result = measure(lmdb, wds, args.batch_size, args.repeats, args.passes)
     print(table(result))
-    print(f"\n{result['images']} images, batch {result['batch_size']}, median of {result['repeats']}; "
+    print(f"\n{result['images']} images an epoch, batch {result['batch_size']}, each figure {result['passes']} "
+          f"epochs, median of {result['repeats']}; "
           f"loader: {result['plans']['mixture']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
