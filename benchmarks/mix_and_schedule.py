@@ -5,9 +5,10 @@ throughput, side by side in one run (issue 48).
     python benchmarks/mix_and_schedule.py                     # measure
     python benchmarks/mix_and_schedule.py --data /tmp/img --images 2000 --out bench-out/mix
 
-The image folder is packed twice, the same images in two formats (``--store jpeg --resize 256``): LMDB and
-WebDataset shards. Every loader is ``make_loader``'s default engine (packer's worker pool, a worker per core),
-batches of ``--batch-size``, ``random_resized_crop`` and ``flip``, pages warm (a warm-up epoch each first).
+The image folder is packed twice, the same images in two formats (``--store jpeg --resize 256``, or the original
+files with ``--resize 0``): LMDB and WebDataset shards. Every loader is ``make_loader``'s default engine (packer's
+worker pool, a worker per core), batches of ``--batch-size``, ``random_resized_crop`` and ``flip``, pages warm (a
+warm-up epoch each first).
 
 - **mixture**: ``packer.mix([lmdb, wds], [1, 1], samples_per_epoch=N)``, against each dataset alone (N samples
   too): images/s of each, ``mix/lmdb``, ``mix/wds``, and ``mix/both``: against the rate reading N/2 from each
@@ -41,8 +42,9 @@ def schedule(epoch: int) -> int:
     return SIZES[min(epoch, len(SIZES) - 1)]
 
 
-def ensure_packs(data: Path, out: Path, images: int) -> tuple[Path, Path]:
-    """The image folder packed as LMDB and as WebDataset shards (``--store jpeg --resize 256``), made once."""
+def ensure_packs(data: Path, out: Path, images: int, resize: int) -> tuple[Path, Path]:
+    """The image folder packed as LMDB and as WebDataset shards (``--store jpeg --resize RESIZE``; with 0 the
+    original files, ``--store original``), made once."""
     if not data.is_dir():
         per_class = -(-images // 5)
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_data.py"), str(data), "--per-class",
@@ -50,7 +52,8 @@ def ensure_packs(data: Path, out: Path, images: int) -> tuple[Path, Path]:
     packs = out / "lmdb", out / "wds"
     for dest, fmt in zip(packs, ("lmdb", "wds"), strict=True):
         if not (dest / "manifest.json").exists():
-            packer.pack(data, dest, fmt, store="jpeg", resize=256, progress=False, overwrite=True)
+            stored = {"store": "jpeg", "resize": resize} if resize else {"store": "original"}
+            packer.pack(data, dest, fmt, progress=False, overwrite=True, **stored)
     return packs
 
 
@@ -122,8 +125,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5, help="epochs each timed figure spans")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--prepare", action="store_true", help="only make the data and the packs")
+    parser.add_argument("--resize", type=int, default=256, help="the packs' stored size (0: the original files)")
     args = parser.parse_args()
-    lmdb, wds = ensure_packs(Path(args.data), Path(args.out), args.images)
+    lmdb, wds = ensure_packs(Path(args.data), Path(args.out), args.images, args.resize)
     if args.prepare:
         return
     result = measure(lmdb, wds, args.batch_size, args.repeats, args.passes)
