@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.fields import SCHEMA, write_dataset
 from support.packed import noise_pack, pixel_digest, stop_and_resume
 from support.processes import launch, one_line_value_error, read_out
 
@@ -198,3 +199,21 @@ def test_a_stream_mixture_refuses_what_it_cannot_do_in_one_line(packs):
     one_line_value_error(lambda: other.load_state_dict(state), "mixture=")
     with pytest.raises(packer.PackerError, match="lmdb dataset has none"):
         packer.stream([packs["wds"], packs["lmdb"]], BATCH)
+
+
+def test_a_stream_mixture_of_datasets_with_fields_gives_their_fields_and_the_source(tmp_path):
+    values = [write_dataset(tmp_path / "x", "wds", SCHEMA), write_dataset(tmp_path / "y", "wds", SCHEMA, count=5)]
+    loader = packer.stream([tmp_path / "x", tmp_path / "y"], 4, num_workers=0, weights=[1, 1], samples_per_epoch=16)
+    sources = []
+    for batch in loader:
+        assert list(batch) == [f.name for f in SCHEMA] + ["source"]
+        for j, k in enumerate(batch["source"].tolist()):
+            i = int(batch["caption"][j].split()[4])
+            assert np.array_equal(batch["mask"][j].numpy(), values[k][i]["mask"])
+            assert batch["label"][j] == values[k][i]["label"]
+            assert batch["tags"][j].tolist() == values[k][i]["tags"].tolist()
+            sources.append(k)
+    assert np.bincount(sources).tolist() == [8, 8]
+    narrowed = packer.stream([tmp_path / "x", tmp_path / "y"], 4, num_workers=0, fields=("source", "caption"))
+    got_sources, captions = next(iter(narrowed))
+    assert got_sources.shape == (4,) and all(isinstance(c, str) for c in captions)
