@@ -313,7 +313,8 @@ class BatchReads(Dataset):
             if self.maps is not None:
                 worker = torch.utils.data.get_worker_info()
                 if worker is not None:
-                    self.maps.note(self.dataset.reader, indices, worker.id)
+                    # maps are made only for a dataset read a block at a time, which has a reader
+                    self.maps.note(cast(Any, self.dataset).reader, indices, worker.id)
             return self.dataset.read_batch(indices, threads=self.threads, pin_memory=self.pin_memory)
         except PackerError as exc:
             if torch.utils.data.get_worker_info() is None or not self.crossing:
@@ -452,7 +453,7 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
             say_once(short)
     maps = WorkerMaps.of(reader, settings["num_workers"] if plan.engine == "torch" else 0)
     data = BatchReads(dataset, plan.threads, pin_batches, settings.get("collate_fn") is collate, maps) \
-        if isinstance(dataset, PackedDataset) else dataset
+        if isinstance(dataset, BatchDataset) else dataset
     return PrefetchLoader(data, prefetch_batches=plan.prefetch if plan.workers == 0 else 0, threads=plan.threads,
                           pin_batches=pin_batches, worker_pool=_pool_arguments(plan, dataset, settings), plan=plan,
                           fetch_ahead=fetch_ahead, **settings)

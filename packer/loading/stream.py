@@ -137,7 +137,8 @@ class ShardStreams(IterableDataset):
         return shard, count, self.reader, int(cast(np.ndarray, self._pass().blocks)[block])
 
     def _decode(self, batch: np.ndarray, samples: list[StreamSample]) -> Any:
-        return self.decoder.batch(samples, self._pass().epoch, self.view)
+        # a mixture has its own decoder, and decodes in its own _decode
+        return cast(StreamDecoder, self.decoder).batch(samples, self._pass().epoch, self.view)
 
     def _batches(self, mine: list[np.ndarray]) -> Iterator[Any]:
         starts = cast(np.ndarray, self._pass().blocks)

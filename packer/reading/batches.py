@@ -27,6 +27,9 @@ class BatchDataset(Dataset):
     target_transform: Any = None
     decode: bool = True
 
+    def __len__(self) -> int:
+        raise NotImplementedError
+
     @property
     def where(self) -> str:
         """What messages name the dataset by."""

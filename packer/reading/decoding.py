@@ -133,7 +133,7 @@ class Decoding:
         self.seed = arguments.seed("seed", seed)
         self.epoch = 0
         if self.schedule:  # the first epoch's sizes: checked now, and what the attributes say until an epoch's
-            self._set_sizes(dict(self.epoch_view(0)))
+            self._set_sizes(dict(self.epoch_view(0) or ()))
         if self.random_resized_crop and (self.resize or self.center_crop):
             raise ValueError("random_resized_crop replaces resize and center_crop; give one or the other")
         if (self.resize or self.center_crop or self.augments) and self.spec.normalize:

@@ -21,7 +21,7 @@ class DecodeThreads:
         self._executors: dict[int, ThreadPoolExecutor] = {}  # by thread count, this process's
         self._pid: int | None = None
 
-    def run(self, fn: Callable[[Any], None], items: list, threads: int) -> None:
+    def run(self, fn: Callable[[Any], object], items: list, threads: int) -> None:
         """Run ``fn`` over ``items`` on ``threads`` threads: this one and ``threads - 1`` of a pool this process
         keeps. Each thread takes the next item until none is left: one task per thread rather than a future per
         item, and the calling thread (the loader's prefetch thread) decodes instead of waiting."""
