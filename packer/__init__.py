@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from .reading.dataset import WdsDataset as WdsDataset
     from .reading.dataset import open_dataset as open_dataset
     from .reading.folder import FolderDataset as FolderDataset
+    from .reading.mix import mix as mix
     from .remote.entry import read_manifest as read_manifest
     from .sources.folder import scan_folder as scan_folder
 
