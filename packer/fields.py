@@ -21,7 +21,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -30,11 +30,9 @@ from .errors import ManifestError
 KINDS = ("image", "mask", "class", "int64", "float32", "text", "json", "bytes")
 NUMERIC = {"int64": "<i8", "float32": "<f4"}
 MASK_PIXELS = ("uint8", "uint16")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+MAX_CLASSES = 100_000  # integer labels (tables, foreign shards) are 0 to 99,999: the classes fit a manifest
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*\Z")
-_INT = re.compile(r"[+-]?\d+\Z")
-_TYPE = re.compile(r"(image|mask|class|int64|float32|text|json|bytes)(?:\[(\d*)\])?\Z")
-INT64_RANGE = (-(2**63), 2**63 - 1)
+_TYPE = re.compile(r"(image|mask|class|int64|float32|text|json|bytes)(?:\[([0-9]*|uint8|uint16)\])?\Z")
 
 
 @dataclass(frozen=True)
@@ -160,12 +158,24 @@ def schema_of(manifest: dict, where: str = "manifest.json") -> list[Field]:
 
 def check_schema(schema: Sequence[Field], where: str) -> None:
     """A schema starts with the ``image`` field, names each field once and has at most one class."""
-    names = [f.name for f in schema]
-    problem = (("the first field must be the image named 'image'" if schema[0] != Field("image", "image") else "")
-               or ("field names repeat" if len(set(names)) != len(names) else "")
-               or ("more than one class field" if sum(f.kind == "class" for f in schema) > 1 else ""))
+    problem = schema_problem(schema)
     if problem:
-        raise ManifestError(f"{where}: {problem} ({', '.join(names)}); the manifest is damaged, re-pack")
+        raise ManifestError(f"{where}: {problem} ({', '.join(f.name for f in schema)}); the manifest is damaged, "
+                            "re-pack")
+
+
+def schema_problem(schema: Sequence[Field]) -> str | None:
+    """Why a dataset with ``schema`` could not be opened (what :func:`check_schema` refuses), or None: the pack
+    side asks before it writes anything."""
+    names = [f.name for f in schema]
+    repeated = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if not schema or schema[0] != Field("image", "image"):
+        return "the first field must be the image named 'image'"
+    if repeated is not None:
+        return f"field name {repeated!r} repeats"
+    if sum(f.kind == "class" for f in schema) > 1:
+        return "more than one class field"
+    return None
 
 
 def is_pair_schema(schema: Sequence[Field]) -> bool:
@@ -185,104 +195,23 @@ def extra_fields(schema: Sequence[Field]) -> list[Field]:
     return [f for f in schema[1:] if f is not label]
 
 
-# -- typing table columns ---------------------------------------------------------------------------------------
+# -- the --field option -----------------------------------------------------------------------------------------
 def parse_field_option(text: str) -> Field:
     """``--field NAME:TYPE``: TYPE is a kind, and a number field may add ``[n]`` (n values) or ``[]`` (any
-    number): ``caption:text``, ``box:float32[4]``, ``tags:int64[]``, ``seg:mask``. A mask's pixel type is
-    found from its files. ValueError, in one line, when it is malformed."""
+    number), a mask ``[uint8]`` or ``[uint16]`` (its pixel type): ``caption:text``, ``box:float32[4]``,
+    ``tags:int64[]``, ``seg:mask``, ``seg:mask[uint16]`` (without it, a table finds a mask's pixel type from its
+    first mask file). ValueError, in one line, when it is malformed."""
     name, sep, kind = text.partition(":")
     match = _TYPE.match(kind.strip())
     if not sep or not match:
         raise ValueError(f"--field {text!r}: expected NAME:TYPE with TYPE one of {', '.join(KINDS)} "
-                         "(int64 and float32 may add [n] or [])")
+                         "(int64 and float32 may add [n] or [], mask [uint8] or [uint16])")
     kind, size = match.group(1), match.group(2)
-    if size is not None and kind not in NUMERIC:
-        raise ValueError(f"--field {text!r}: only int64 and float32 take [n]")
+    pixels = size in MASK_PIXELS
+    if size is not None and (kind == "mask") != pixels or (size is not None and kind not in (*NUMERIC, "mask")):
+        raise ValueError(f"--field {text!r}: only int64 and float32 take [n] or [], and only mask [uint8] or "
+                         "[uint16]")
+    if pixels:
+        return Field(name.strip(), "mask", (), size)
     shape = () if size is None else (None if size == "" else (int(size),))
     return Field(name.strip(), kind, shape, "uint8" if kind == "mask" else None)
-
-
-def _json_cell(cell: object) -> object:
-    """A cell's JSON value if it is a JSON list or object (JSON Lines cells already are), else None."""
-    if isinstance(cell, (list, dict)):
-        return cell
-    if isinstance(cell, str) and cell[:1] in "[{":
-        try:
-            return json.loads(cell)
-        except ValueError:
-            return None
-    return None
-
-
-def _is_int(cell: object) -> TypeGuard[int | str]:
-    if isinstance(cell, bool):
-        return False
-    if isinstance(cell, int):
-        return INT64_RANGE[0] <= cell <= INT64_RANGE[1]
-    return isinstance(cell, str) and bool(_INT.match(cell.strip())) and INT64_RANGE[0] <= int(cell) <= INT64_RANGE[1]
-
-
-def _is_number(cell: object) -> TypeGuard[int | float | str]:
-    if isinstance(cell, bool):
-        return False
-    if isinstance(cell, (int, float)):
-        return math.isfinite(cell)
-    try:
-        return isinstance(cell, str) and math.isfinite(float(cell))
-    except ValueError:
-        return False
-
-
-def _number_list(value: object) -> TypeGuard[list[Any]]:
-    return isinstance(value, list) and all(_is_number(v) and not isinstance(v, str) for v in value)
-
-
-def infer_field(name: str, cells: Sequence[object]) -> Field:
-    """The field a table column's cells fit, tried in this order: integers (int64), numbers (float32), JSON
-    lists of numbers (int64 or float32 vectors, of fixed length ``[n]`` when every row has n), JSON objects
-    and other JSON lists (json), image file paths (image), anything else (text). Empty cells are not allowed
-    and are reported by the table source."""
-    present = [c for c in cells if c not in ("", None)]
-    if present and all(_is_int(c) for c in present):
-        return Field(name, "int64")
-    if present and all(_is_number(c) for c in present):
-        return Field(name, "float32")
-    parsed = [_json_cell(c) for c in present]
-    if present and all(p is not None for p in parsed):
-        lists = [p for p in parsed if _number_list(p)]
-        if len(lists) == len(parsed) and any(lists):
-            kind = "int64" if all(_is_int(v) for p in lists for v in p) else "float32"
-            lengths = {len(p) for p in lists}
-            return Field(name, kind, (lengths.pop(),) if len(lengths) == 1 and 0 not in lengths else None)
-        return Field(name, "json")
-    if present and all(isinstance(c, str) and c.lower().endswith(IMAGE_SUFFIXES) for c in present):
-        return Field(name, "image")
-    return Field(name, "text")
-
-
-def cell_value(field: Field, cell: object, text: bool = True) -> Any:
-    """A table cell as its field's value; ValueError saying why when it does not fit the field's type.
-    ``text``: the cell is a CSV cell's text (JSON is parsed from it), not already a JSON value (JSON Lines)."""
-    if field.kind in NUMERIC:
-        if field.shape == ():
-            if field.kind == "int64" and _is_int(cell):
-                return int(cell)
-            if field.kind != "int64" and _is_number(cell):
-                return float(cell)
-            raise ValueError(f"{cell!r} is not {'an integer' if field.kind == 'int64' else 'a number'}")
-        value = _json_cell(cell)
-        if not _number_list(value) or (field.kind == "int64" and not all(_is_int(v) for v in value)):
-            raise ValueError(f"{cell!r} is not a JSON list of {'integers' if field.kind == 'int64' else 'numbers'}")
-        if field.shape is not None and len(value) != field.shape[0]:
-            raise ValueError(f"{cell!r} has {len(value)} values, the column holds {field.shape[0]}")
-        return value
-    if field.kind == "json":
-        value = _json_cell(cell) if isinstance(cell, str) and text else cell
-        if value is None:
-            raise ValueError(f"{cell!r} is not JSON")
-        return value
-    if cell in ("", None):
-        raise ValueError("the cell is empty")
-    if field.kind == "class":
-        return cell if isinstance(cell, str) else int(cell)  # type: ignore[call-overload]
-    return str(cell)

@@ -11,17 +11,16 @@ import pytest
 from packer.errors import ManifestError
 from packer.fields import (
     Field,
-    cell_value,
     decode,
     encode,
     extra_fields,
     fields_crc32,
-    infer_field,
     is_pair_schema,
     label_field,
     parse_field_option,
     schema_of,
 )
+from packer.sources.table_values import cell_value, infer_field
 
 
 @pytest.mark.parametrize("field, value", [
@@ -61,23 +60,48 @@ def test_a_vector_of_the_wrong_length_is_refused():
     (["1.5", "2", "1e3"], Field("c", "float32")),
     (["[1, 2]", "[3, 4]"], Field("c", "int64", (2,))),
     ([[1.5, 2], [3, 4]], Field("c", "float32", (2,))),
-    (["[1]", "[2, 3]"], Field("c", "int64", None)),
+    (["[1]", "[2, 3]"], Field("c", "int64", (1,))),  # the first row's count; the second row is then refused
+    (["[]", "[2, 3]"], Field("c", "int64", None)),
+    (["1", "18446744073709551616"], Field("c", "int64")),  # the second is refused, not a reason to be float32
     (['{"a": 1}', '{"b": [2]}'], Field("c", "json")),
     ([["cat", "dog"], ["cat"]], Field("c", "json")),
     (["masks/a.png", "masks/b.PNG"], Field("c", "image")),
     (["a dog", "12"], Field("c", "text")),
     (["true", "false"], Field("c", "text")),
-    (["nan"], Field("c", "text")),
+    (["nan", "1.5", "-inf"], Field("c", "float32")),
+    (["²"], Field("c", "text")),
 ])
 def test_columns_are_typed_from_their_cells(cells, expected):
     assert infer_field("c", cells) == expected
 
 
+@pytest.mark.parametrize("cells, expected", [
+    ([1, 2**64], Field("c", "int64")),
+    (["1", "2"], Field("c", "text")),  # JSON strings are text, whatever they hold
+    ([1, "a"], Field("c", "json")),  # JSON values of several types: JSON, each exact
+    ([{"a": 1}, "a"], Field("c", "json")),
+    ([True, False], Field("c", "json")),
+    ([[1.5, 2], [3, 4]], Field("c", "float32", (2,))),
+])
+def test_json_lines_columns_are_typed_from_their_json_types(cells, expected):
+    assert infer_field("c", cells, text=False) == expected
+
+
 def test_cells_that_do_not_fit_their_type_say_why():
     with pytest.raises(ValueError, match="not an integer"):
         cell_value(Field("n", "int64"), "1.5")
-    with pytest.raises(ValueError, match="2 values, the column holds 4"):
+    with pytest.raises(ValueError, match="2 values where the column holds 4.*--field box:float32\\[\\]"):
         cell_value(Field("box", "float32", (4,)), "[1, 2]")
+    with pytest.raises(ValueError, match="outside int64"):
+        cell_value(Field("n", "int64"), "9" * 5000)
+    with pytest.raises(ValueError, match="beyond float32"):
+        cell_value(Field("x", "float32"), "1e39")
+    with pytest.raises(ValueError, match="not JSON"):
+        cell_value(Field("m", "json"), float("nan"), text=False)
+    with pytest.raises(ValueError, match="nested deeper than"):
+        cell_value(Field("m", "json"), "[" * 5000 + "]" * 5000)
+    with pytest.raises(ValueError, match="appears twice"):
+        cell_value(Field("m", "json"), '{"a": 1, "a": 2}')
     with pytest.raises(ValueError, match="not JSON"):
         cell_value(Field("m", "json"), "{oops")
     with pytest.raises(ValueError, match="empty"):
@@ -91,12 +115,14 @@ def test_cells_that_do_not_fit_their_type_say_why():
     ("tags:int64[]", Field("tags", "int64", None)),
     ("seg:mask", Field("seg", "mask", (), "uint8")),
     ("subject:class", Field("subject", "class")),
+    ("seg:mask[uint16]", Field("seg", "mask", (), "uint16")),
 ])
 def test_field_option(text, expected):
     assert parse_field_option(text) == expected
 
 
-@pytest.mark.parametrize("text", ["caption", "caption:string", "seg:mask[2]", "bad name:text", ":text"])
+@pytest.mark.parametrize("text", ["caption", "caption:string", "seg:mask[2]", "bad name:text", ":text",
+                                  "n:int64[uint8]", "t:text[3]", "box:float32[0]"])
 def test_malformed_field_option_is_one_line(text):
     with pytest.raises(ValueError) as info:
         parse_field_option(text)

@@ -362,29 +362,54 @@ def to_pil(array: np.ndarray) -> Image.Image:
     return Image.fromarray(array[:, :, 0] if array.shape[2] == 1 else array)
 
 
-def convert_file(path: str, name: str, spec: TransformSpec) -> Encoded:
-    """Read the source file at ``path`` and produce what gets stored for it (``name`` is used in errors)."""
-    encoded = convert_bytes(read_source_file(path, name), name, spec)
+MOVED = "deleted or moved while packing (no such file); restore it, or pack again"
+NOT_REGULAR = "not a regular file (a folder, pipe or device); remove it"
+
+
+def convert_file(path: str, name: str, spec: TransformSpec, missing: str = MOVED) -> Encoded:
+    """Read the source file at ``path`` and produce what gets stored for it (``name`` is used in errors;
+    ``missing``: why a file that is not there is not, see :func:`read_source_file`)."""
+    return checked_sides(convert_bytes(read_source_file(path, name, missing), name, spec), name)
+
+
+def checked_sides(encoded: Encoded, name: str) -> Encoded:
+    """``encoded``, or an :class:`ImageError` when a side is over what the formats record."""
     if max(encoded.shape[:2]) > MAX_SIDE:  # every format records each side in 16 bits
         raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels, which "
                                "packer cannot store; shrink it (--max-size) or remove it")
     return encoded
 
 
-def read_source_file(path: str, name: str) -> bytes:
-    """The bytes of a source file; an :class:`ImageError` naming ``name`` when it cannot be read."""
+def open_regular(path: str, name: str, missing: str = MOVED, not_regular: str = NOT_REGULAR):
+    """``path`` opened for reading in binary, when it is a regular file: a FIFO, a device or a folder is never
+    opened for reading (stat first; opened without blocking, and checked again once open, so that a file swapped
+    for a FIFO in between cannot hang the caller). An :class:`ImageError` naming ``name`` otherwise; ``missing``
+    and ``not_regular`` say what is wrong in those cases."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not block the conversion forever
-        with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ImageError(name, "not a regular file (a folder, pipe or device); remove it")
-            data = f.read()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ImageError(name, not_regular)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        f = open(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            f.close()
+            raise ImageError(name, not_regular)
+        os.set_blocking(fd, True)
+        return f
     except FileNotFoundError:
-        raise ImageError(name, "deleted or moved while packing (no such file); restore it, or pack again") from None
+        raise ImageError(name, missing) from None
     except OSError as exc:
         advice = "check its permissions" if exc.errno in (errno.EACCES, errno.EPERM) else "check the file"
         raise ImageError(name, f"cannot read file: {exc.strerror}; {advice}") from None
-    return data
+
+
+def read_source_file(path: str, name: str, missing: str = MOVED) -> bytes:
+    """The bytes of a regular source file (:func:`open_regular`); an :class:`ImageError` naming ``name`` when it
+    cannot be read."""
+    with open_regular(path, name, missing) as f:
+        try:
+            return f.read()
+        except OSError as exc:
+            raise ImageError(name, f"cannot read file: {exc.strerror}; check the file") from None
 
 
 def convert_bytes(data: bytes, name: str, spec: TransformSpec) -> Encoded:

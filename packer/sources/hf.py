@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import ImageError, SourceError, UsageError, warn
 from ..fields import Field, encode, extra_fields
-from ..images.transforms import MAX_SIDE, Encoded, TransformSpec, convert_bytes, convert_file
+from ..images.transforms import Encoded, TransformSpec, checked_sides, convert_bytes, convert_file
 from .base import SampleReader, Source
 
 PREFIX = "hf:"
@@ -180,10 +180,7 @@ class HfReader(SampleReader):
     def convert(self, index: int, spec: TransformSpec) -> tuple[str, int, Encoded, tuple[bytes, ...]]:
         name = self.name(index)
         row = self.dataset[index]
-        encoded = _image(row[self.image], name, spec)
-        if max(encoded.shape[:2]) > MAX_SIDE:
-            raise ImageError(name, f"{encoded.shape[1]}x{encoded.shape[0]} has a side over {MAX_SIDE} pixels; "
-                                   "shrink it (--max-size)")
+        encoded = checked_sides(_image(row[self.image], name, spec), name)
         label = -1
         if self.label is not None:
             label = row[self.label]

@@ -79,7 +79,8 @@ def test_annotation_table_fields_from_ranges(pack_once):
     """A table packed with a caption, a float, a multi-label list, JSON and a mask: every field from the
     ranges equals the local reader's, and the caption is the table's."""
     table = REPO / "sample_data" / "annotations.csv"
-    dest = pack_once(table, "wds", "original", root=REPO, label_column="subject", max_size=48)
+    dest = pack_once(table, "wds", "original", root=REPO, label_column="subject", max_size=48,
+                     field=("tags:int64[]",))
     layout, source = layout_of(dest)
     check_ranges(layout, source)
     reader = check_every_sample(dest, layout, source)

@@ -27,6 +27,23 @@ def one_line_value_error(call, *words: str) -> str:
     return message
 
 
+def packer_limited(*args, memory: int | None = None, files: int | None = None,
+                   timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m packer ARGS`` under an address-space limit (``memory`` bytes: a runaway allocation fails in
+    this process instead of taking the machine) and an open-files limit (``files``)."""
+    import resource
+
+    def limit() -> None:
+        if memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "packer", *map(str, args)], capture_output=True, text=True,
+                          encoding="utf-8", env=env, timeout=timeout, preexec_fn=limit)
+
+
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("packer: error:")]
 

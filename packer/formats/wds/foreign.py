@@ -14,15 +14,16 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptDataError, PackerError
-from ...fields import Field
+from ...fields import MAX_CLASSES, Field
 from ...manifest import is_safe_relpath
 from .members import IMAGE_EXTS, INDEX_DTYPE, sample_key
 
-# Labels of shards from other tools become classes "0".."largest label": the cap keeps a stray huge label from
-# making billions of classes (a MemoryError) or millions (a manifest of tens of MB, parsed at every open, and
-# hundreds of MB of memory: docs/benchmarks.md). Common class-labelled sets fit (ImageNet-21k: 21,841 classes;
-# iNaturalist 2021: 10,000); WdsDataset.from_shards(classes=...) takes a longer class list without the cap.
-MAX_SHARD_CLASSES = 100_000
+# Labels of shards from other tools become classes "0".."largest label": the cap (packer.fields.MAX_CLASSES, which
+# a table's integer labels share) keeps a stray huge label from making billions of classes (a MemoryError) or
+# millions (a manifest of tens of MB, parsed at every open, and hundreds of MB of memory: docs/benchmarks.md).
+# Common class-labelled sets fit (ImageNet-21k: 21,841 classes; iNaturalist 2021: 10,000);
+# WdsDataset.from_shards(classes=...) takes a longer class list without the cap.
+MAX_SHARD_CLASSES = MAX_CLASSES
 _LINK_KINDS = {tarfile.SYMTYPE: "symbolic link", tarfile.LNKTYPE: "hard link"}
 
 
