@@ -44,6 +44,12 @@ class Writer(ABC):
         # the fields beyond the image and the class (options["schema"]: absent for image-and-class datasets)
         self.extra_fields: list[Field] = extra_fields((options or {}).get("schema") or schema_of({}))
 
+    @classmethod
+    def check_schema(cls, schema: Sequence[Field]) -> str | None:
+        """Why this format cannot store samples of ``schema`` (a field name it cannot write), or None. The pack
+        asks before anything is read or written; each format owns its rule."""
+        return None
+
     @abstractmethod
     def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
         """Append one sample; its index is ``self.count`` before the call. ``extras`` are the stored bytes of

@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..errors import ImageError, warn
+from ..errors import ImageError, UsageError, warn
 from ..fields import is_pair_schema
 from ..formats.base import Writer, get_format
 from ..images.transforms import TransformSpec
 from ..manifest import FORMAT_VERSION, PLAIN_FORMAT_VERSION
 from ..sources.base import Source
 from ..sources.detect import open_source
+from .dest import SHOWN, name_some
 from .options import PackOptions
 
 
@@ -68,11 +69,19 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
     spec = options.transform_spec(source.default_store, source.mode)
     source.check(spec)
     where = source.root if source.kind == "folder" else src
+    problem = writer_cls.check_schema(source.schema)
+    if problem:
+        raise UsageError(f"{where}: {problem} (--format {options.format})")
     if source.hidden_skipped and not quiet:
         warn(f"skipped {source.hidden_skipped} hidden files and folders in {where} (names starting with '.'); "
              "pass --include-hidden to keep them")
-    for cls in source.empty_classes if not quiet else ():
-        warn(f"class {cls!r} has no images; it keeps its index {source.class_to_idx[cls]}")
+    if not quiet:
+        _warn_empty_classes(source)
+    if source.loose_images and not quiet:
+        loose = source.loose_images
+        warn(f"{where} holds {len(loose):,} image{'s' if len(loose) > 1 else ''} beside its {len(source.classes):,} "
+             f"class folder{'s' if len(source.classes) > 1 else ''} ({name_some(loose)}), in no class: not packed, "
+             "as ImageFolder leaves them out; if SRC is one class's folder, pass the folder that holds every class")
     if options.strict and source.errors:
         rel, why = source.errors[0]
         raise ImageError(source.where(rel), why)
@@ -105,6 +114,18 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
     if shape is None and source.shape and not geometry and spec.mode == source.mode:
         shape = list(source.shape)  # a repack that keeps the pixels keeps the source's fixed shape
     return Plan(source, options, writer_cls, spec, record, order, source.sizes(), shape)
+
+
+def _warn_empty_classes(source: Source) -> None:
+    """One line per class without images, or one line for them all when there are more than a few (a table's
+    class indices may leave thousands unused)."""
+    empty = source.empty_classes
+    if len(empty) <= SHOWN:
+        for cls in empty:
+            warn(f"class {cls!r} has no images; it keeps its index {source.class_to_idx[cls]}")
+    else:
+        warn(f"{len(empty):,} of the {len(source.classes):,} classes have no images ({name_some(empty)}); each "
+             "keeps its index")
 
 
 def make_manifest(plan: Plan, count: int, extras: dict[str, Any], skipped: list[dict], resumed: bool,

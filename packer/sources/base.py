@@ -34,7 +34,8 @@ class Source:
     ``classes``, ``class_to_idx``, ``count``, ``stored`` (what samples hold: "original" for image files, or the
     packed dataset's store), ``mode`` (RGB or L), ``shape`` (fixed (H, W, C) or None), ``shuffled`` (the order is
     already a shuffle), ``schema`` (the fields of a sample: :data:`packer.fields.PAIR_SCHEMA` unless the source has
-    more), and the scan's ``hidden_skipped``, ``empty_classes`` and ``errors`` [(relpath, why)]."""
+    more), and the scan's ``hidden_skipped``, ``empty_classes``, ``errors`` [(relpath, why)] and ``loose_images``
+    (an image folder's images beside its class folders, in no class: left out, as ImageFolder leaves them)."""
 
     kind = ""
     stored = "original"
@@ -51,6 +52,7 @@ class Source:
         self.hidden_skipped = 0
         self.empty_classes: list[str] = []
         self.errors: list[tuple[str, str]] = []
+        self.loose_images: list[str] = []
 
     def sizes(self) -> np.ndarray:
         """Bytes of each sample (an estimate where the source does not record it), int64, one per sample."""

@@ -41,6 +41,7 @@ class ScanResult:
     hidden_skipped: int = 0
     empty_classes: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    loose_images: list[str] = field(default_factory=list)  # images directly in root, beside the class folders
 
 
 def _is_hidden(name: str) -> bool:
@@ -56,12 +57,16 @@ def _check_name(relpath: str) -> str | None:
     return None
 
 
-def find_classes(root: Path, include_hidden: bool = False) -> tuple[list[str], int]:
-    """Sorted class folder names under ``root``, and how many hidden folders were skipped."""
+def find_classes(root: Path, include_hidden: bool = False,
+                 loose: list[str] | None = None) -> tuple[list[str], int]:
+    """Sorted class folder names under ``root``, and how many hidden folders were skipped; ``loose`` gets the
+    images directly in ``root`` (which ImageFolder leaves out: they are in no class)."""
     names, hidden = [], 0
     with os.scandir(root) as entries:
         for entry in entries:
             if not entry.is_dir():
+                if loose is not None and is_image_file(entry.name) and (include_hidden or not _is_hidden(entry.name)):
+                    loose.append(entry.name.encode("utf-8", "backslashreplace").decode())
                 continue
             if _is_hidden(entry.name) and not include_hidden:
                 hidden += 1
@@ -90,8 +95,9 @@ def scan_folder(root: str | os.PathLike, include_hidden: bool = False) -> ScanRe
         raise SourceError(f"{root}: source folder does not exist; pass the folder that holds one sub-folder per class")
     if not root.is_dir():
         raise SourceError(f"{root}: not a folder; pass the folder that holds one sub-folder per class")
+    loose: list[str] = []
     try:
-        classes, hidden = find_classes(root, include_hidden)
+        classes, hidden = find_classes(root, include_hidden, loose)
     except PermissionError:
         raise SourceError(f"{root}: permission denied; make the folder readable") from None
     if not classes:
@@ -104,6 +110,7 @@ def scan_folder(root: str | os.PathLike, include_hidden: bool = False) -> ScanRe
             raise SourceError(f"{root / shown}: class folder name is not valid UTF-8; rename the folder")
     result = ScanResult(root=root, classes=classes, class_to_idx={c: i for i, c in enumerate(classes)}, samples=[])
     result.hidden_skipped = hidden
+    result.loose_images = sorted(loose)
     for label, cls in enumerate(classes):
         count = _scan_class(root, cls, label, include_hidden, result)
         if count == 0:
@@ -198,6 +205,7 @@ class FolderSource(Source):
         self.hidden_skipped = scan.hidden_skipped
         self.empty_classes = scan.empty_classes
         self.errors = scan.errors
+        self.loose_images = scan.loose_images
         self._stats: tuple[np.ndarray, str] | None = None
 
     def _stat(self) -> tuple[np.ndarray, str]:

@@ -55,6 +55,38 @@ def member_suffix(field: Field, image_ext: str = "png") -> str:
     return ext if field.name == ext else f"{field.name}.{ext}"
 
 
+MEMBER_NAME_BYTES = 100  # a ustar header's name: packer's members have no folder to move into its prefix
+KEY_CHARS = 12  # a sample's key: its output position in (at least) 9 digits; 12 allows a trillion samples
+FIELD_IMAGE_EXTS = tuple(dict.fromkeys(EXTENSION_BY_FORMAT.values()))  # what a second image or mask is stored as
+
+
+def meta_ext(extra: Sequence[Field]) -> str:
+    """The extension of packer's own json member: ``json``, or ``packer.json`` beside a field named ``json``."""
+    return "packer.json" if any(f.name == "json" for f in extra) else "json"
+
+
+def schema_problem(extra: Sequence[Field], labelled: bool) -> str | None:
+    """Why samples with the extra fields ``extra`` cannot be written as WebDataset members that every reader
+    (packer, ``webdataset``, ``tar``) tells apart, or None: a member name longer than a tar header holds, or a
+    field's member that could have the name of the image (any image extension), the class (``cls``), packer's
+    json member or another field's member. Asked before anything is written."""
+    taken = {ext: "the image" for ext in IMAGE_EXTS} | {"cls": "the class", meta_ext(extra): "packer's json member"}
+    if not labelled:
+        taken["cls"] = "webdataset's class member"
+    for field in extra:
+        suffixes = {member_suffix(field, ext) for ext in FIELD_IMAGE_EXTS} if field.dense else {member_suffix(field)}
+        for suffix in sorted(suffixes):
+            if len(f"{'0' * KEY_CHARS}.{suffix}".encode()) > MEMBER_NAME_BYTES:
+                return (f"field {field.name!r}: its member name ({'0' * 9}.{suffix}) is longer than a tar header "
+                        f"holds ({MEMBER_NAME_BYTES} bytes); shorten the column's name to at most "
+                        f"{MEMBER_NAME_BYTES - KEY_CHARS - 1 - len(suffix) + len(field.name)} characters")
+            if suffix in taken:
+                return (f"field {field.name!r} would be stored as the member KEY.{suffix}, the name of "
+                        f"{taken[suffix]}; rename the column")
+        taken |= {suffix: f"field {field.name!r}" for suffix in suffixes}
+    return None
+
+
 def field_member(field: Field, members: dict[str, bytes]) -> str | None:
     """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
     a field named as its extension (the inverse of :func:`member_suffix`)."""

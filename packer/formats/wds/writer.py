@@ -8,13 +8,14 @@ import json
 import math
 import os
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...errors import PackerError
-from ...fields import fields_crc32, label_field
+from ...fields import Field, extra_fields, fields_crc32, label_field
 from ...images.transforms import Encoded
 from ...manifest import file_entry, fsync_dir
 from ..base import Writer, prefixed_entries
@@ -25,7 +26,9 @@ from .members import (
     image_ext,
     member_bytes,
     member_suffix,
+    meta_ext,
     npy_bytes,
+    schema_problem,
     shard_name,
 )
 
@@ -51,9 +54,7 @@ class WdsWriter(Writer):
         super().__init__(dest, spec, expected_count, options)
         schema = options.get("schema") or ()
         self.has_label = not schema or label_field(schema) is not None
-        self.meta_ext = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
-        if self.has_label and any(member_suffix(f) == "cls" for f in self.extra_fields):
-            raise PackerError(f"{dest}: field 'cls' would be a second .cls member beside the class; rename it")
+        self.meta_ext = meta_ext(self.extra_fields)
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
@@ -63,6 +64,10 @@ class WdsWriter(Writer):
         self.shards: list[dict[str, Any]] = []
         self.tar: tarfile.TarFile | None = None
         self.in_shard = 0
+
+    @classmethod
+    def check_schema(cls, schema: Sequence[Field]) -> str | None:
+        return schema_problem(extra_fields(schema), label_field(schema) is not None)
 
     def _add(self, name: str, data: bytes) -> int:
         """Add one member; return the offset of its data in the shard."""
