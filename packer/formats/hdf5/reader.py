@@ -4,7 +4,6 @@ read a block at a time by ranges."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import h5py
@@ -20,15 +19,19 @@ from .ranges import RangeFile, check_offsets, extent, read_arrays
 FILENAME = "data.h5"
 
 
-def _memmap(path: Path, dataset: h5py.Dataset) -> np.ndarray:
-    """A read-only memory map of a contiguous dataset, or its values read into memory if it is not one."""
+def _memmap(file_map: np.ndarray, dataset: h5py.Dataset) -> np.ndarray:
+    """A read-only view of a contiguous dataset in ``file_map`` (the whole file, mapped once: one descriptor
+    however many datasets, and a table may have a thousand fields), or its values read into memory if it is not
+    contiguous."""
     offset = dataset.id.get_offset()
     if offset is None or dataset.chunks is not None or dataset.compression is not None:
         return dataset[()]
     if dataset.size == 0:
         return np.zeros(dataset.shape, dataset.dtype)
-    # a plain ndarray view of the map: indexing a np.memmap subclass costs several times more per call
-    return np.memmap(path, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape).view(np.ndarray)
+    if offset + dataset.size * dataset.dtype.itemsize > len(file_map):
+        raise ValueError(f"dataset {dataset.name} runs past the end of the file")
+    # a plain ndarray over the map: indexing a np.memmap subclass costs several times more per call
+    return np.ndarray(dataset.shape, dataset.dtype, buffer=file_map, offset=offset)
 
 
 def _sample(index: int, payload: memoryview, labels: np.ndarray, shapes: np.ndarray, crcs: np.ndarray) -> Sample:
@@ -72,7 +75,7 @@ class Hdf5Reader(Reader):
     through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
     filesystems; the file is never written after packing."""
 
-    HANDLES = ("file", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
+    HANDLES = ("file", "file_map", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
 
     def __init__(self, root, manifest: dict | None = None, locking: bool = False):
         super().__init__(root, manifest)
@@ -82,6 +85,7 @@ class Hdf5Reader(Reader):
         # this process's handles (HANDLES), None until _open(): Any, as the reads that come after it cannot be
         # told apart from the unopened state by their type; the h5py File and numpy maps of its arrays
         self.file: Any = None
+        self.file_map: Any = None  # the whole file mapped once: every array below is a view of it
         self.images: Any = None
         self.offsets: Any = None  # None once opened too: fixed-size raw images
         self.shapes: Any = None
@@ -153,13 +157,14 @@ class Hdf5Reader(Reader):
             check_unchanged(self.path, recorded, now)
         try:
             self.file = h5py.File(self.path, "r", locking=self.locking)
-            self.images = _memmap(self.path, self.file["images"])
-            self.offsets = _memmap(self.path, self.file["offsets"]) if "offsets" in self.file else None
-            self.shapes = _memmap(self.path, self.file["shapes"])
-            self.labels = _memmap(self.path, self.file["labels"])
-            self.crcs = _memmap(self.path, self.file["crc32"])
+            self.file_map = np.memmap(self.path, np.uint8, mode="r").view(np.ndarray)
+            self.images = _memmap(self.file_map, self.file["images"])
+            self.offsets = _memmap(self.file_map, self.file["offsets"]) if "offsets" in self.file else None
+            self.shapes = _memmap(self.file_map, self.file["shapes"])
+            self.labels = _memmap(self.file_map, self.file["labels"])
+            self.crcs = _memmap(self.file_map, self.file["crc32"])
             self.field_maps = [self._field_map(field) for field in self.extra_fields]
-            self.fields_crcs = _memmap(self.path, self.file["fields_crc32"]) if self.extra_fields else None
+            self.fields_crcs = _memmap(self.file_map, self.file["fields_crc32"]) if self.extra_fields else None
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
         if file_id(self.path) != recorded:  # replaced while it was being opened
@@ -182,14 +187,14 @@ class Hdf5Reader(Reader):
         """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
         node = self.file[f"fields/{field.name}"]
         if isinstance(node, h5py.Dataset):
-            values = _memmap(self.path, node)
+            values = _memmap(self.file_map, node)
             if len(values) != self._count:
                 raise ValueError(f"fields/{field.name} holds {len(values)} rows, not {self._count}")
             return values, None
-        offsets = _memmap(self.path, node["offsets"])
+        offsets = _memmap(self.file_map, node["offsets"])
         if len(offsets) != self._count + 1:
             raise ValueError(f"fields/{field.name}/offsets holds {len(offsets)} rows, not {self._count + 1}")
-        return _memmap(self.path, node["values"]), offsets
+        return _memmap(self.file_map, node["values"]), offsets
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         where = self.describe(index)

@@ -1,8 +1,14 @@
 """The HDF5 writer: payloads and fields streamed into temporary files, then copied into contiguous datasets of
-their final size when the conversion closes."""
+their final size when the conversion closes.
+
+Every extra field goes through the same two temporary files, whatever their number (a table may have a thousand
+columns, and a file open per field would run out of descriptors): ``data.h5.fields.tmp`` holds each sample's field
+values end to end, ``data.h5.lengths.tmp`` each value's length (one int64 row of F lengths a sample). At close,
+one pass over them deals each field's bytes into its dataset, COPY_BYTES at a time."""
 
 from __future__ import annotations
 
+import errno
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +39,8 @@ def enumerate_path_chunks(path: Path, chunk_bytes: int = 1 << 20) -> Iterator[tu
 
 class Hdf5Writer(Writer):
     RESUMES_FROM = "nothing: it writes its file whole at the end"
-    FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp", FILENAME + ".field-*.tmp")
+    FILES = (FILENAME, FILENAME + ".blob.tmp", FILENAME + ".paths.tmp", FILENAME + ".fields.tmp",
+             FILENAME + ".lengths.tmp", FILENAME + ".field-*.tmp")  # field-*: written by packer 0.x, one a field
 
     def __init__(self, dest: Path, spec, expected_count: int, options: dict[str, Any]):
         super().__init__(dest, spec, expected_count, options)
@@ -45,16 +52,21 @@ class Hdf5Writer(Writer):
         self.labels = array("q")
         self.crcs = array("I")  # 4 bytes; "L" is 8 on 64-bit Linux and would not match uint32
         self.shapes = array("H")
-        self.field_paths = [dest / f"{FILENAME}.field-{k}.tmp" for k in range(len(self.extra_fields))]
-        self.field_blobs = [open(path, "wb") for path in self.field_paths]
-        self.field_offsets = [array("q", [0]) for _ in self.extra_fields]
+        self.fields_path = dest / (FILENAME + ".fields.tmp")
+        self.lengths_path = dest / (FILENAME + ".lengths.tmp")
+        self.fields = open(self.fields_path, "wb") if self.extra_fields else None
+        self.lengths = open(self.lengths_path, "wb") if self.extra_fields else None
+        self.field_totals = [0] * len(self.extra_fields)  # bytes of each field so far
         self.fields_crcs = array("I")
 
     def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> None:
-        for blob, offsets, value in zip(self.field_blobs, self.field_offsets, extras, strict=True):
-            blob.write(value)
-            offsets.append(offsets[-1] + len(value))
-        if self.extra_fields:
+        if self.fields is not None and self.lengths is not None:
+            if len(extras) != len(self.extra_fields):
+                raise ValueError(f"{relpath}: {len(extras)} field values for {len(self.extra_fields)} fields")
+            lengths = array("q", map(len, extras))
+            self.fields.write(b"".join(extras))
+            self.lengths.write(lengths.tobytes())
+            self.field_totals = [t + n for t, n in zip(self.field_totals, lengths, strict=True)]
             self.fields_crcs.append(fields_crc32(extras))
         self.blob.write(item.payload)
         self.paths.write(relpath.encode("utf-8") + b"\0")
@@ -88,27 +100,27 @@ class Hdf5Writer(Writer):
             relpaths = f.create_dataset("relpaths", (n,), dtype=h5py.string_dtype("utf-8"))
             for a, chunk in enumerate_path_chunks(self.paths_path):
                 relpaths[a:a + len(chunk)] = np.array(chunk, dtype=object)
-            for field, path, offsets in zip(self.extra_fields, self.field_paths, self.field_offsets, strict=True):
-                _write_field(f, field, path, offsets, n)
             if self.extra_fields:
+                _write_fields(f, self.extra_fields, self.field_totals, self.fields_path, self.lengths_path, n)
                 f.create_dataset("fields_crc32", data=np.array(self.fields_crcs, dtype=np.uint32))
             f.attrs["packer_store"] = self.spec.store
             f.attrs["packer_dtype"] = self.spec.dtype
         self.blob_path.unlink()
         self.paths_path.unlink()
-        for path in self.field_paths:
-            path.unlink()
+        if self.extra_fields:
+            self.fields_path.unlink()
+            self.lengths_path.unlink()
         return {"files": [file_entry(self.dest, FILENAME)]}
 
     def abort(self) -> None:
         self.blob.close()
         self.paths.close()
-        for blob in self.field_blobs:
-            blob.close()
+        self._close_fields()
 
     def _close_fields(self) -> None:
-        for blob in self.field_blobs:
-            blob.close()
+        for f in (self.fields, self.lengths):
+            if f is not None:
+                f.close()
 
 
 def _copy_rows(source: Path, target: h5py.Dataset) -> None:
@@ -122,12 +134,58 @@ def _copy_rows(source: Path, target: h5py.Dataset) -> None:
             target[a:b] = np.fromfile(blob, dtype=target.dtype, count=(b - a) * per).reshape(b - a, *row)
 
 
-def _write_field(f: h5py.File, field: Field, path: Path, offsets: array, n: int) -> None:
-    """One extra field into ``fields/NAME``: a typed array when every value has the same number shape, else its
-    bytes and offsets."""
-    if field.kind in NUMERIC and field.shape is not None:
-        _copy_rows(path, f.create_dataset(f"fields/{field.name}", (n, *field.shape), dtype=NUMERIC[field.kind]))
-        return
-    group = f.create_group(f"fields/{field.name}")
-    _copy_rows(path, group.create_dataset("values", (offsets[-1],), dtype=np.uint8))
-    group.create_dataset("offsets", data=np.frombuffer(offsets, dtype=np.int64))
+def _write_fields(f: h5py.File, fields: list[Field], totals: list[int], values_path: Path, lengths_path: Path,
+                  n: int) -> None:
+    """Every extra field into ``fields/NAME``: a typed array when every value has the same number shape, else its
+    bytes (``values``) and ``offsets``. One pass over the temporary files: each block of samples (at most
+    COPY_BYTES of values, or one sample) is read once and each field's bytes in it written to its dataset."""
+    targets = []
+    for field, total in zip(fields, totals, strict=True):
+        if field.kind in NUMERIC and field.shape is not None:
+            targets.append((f.create_dataset(f"fields/{field.name}", (n, *field.shape), dtype=NUMERIC[field.kind]),
+                            None))
+        else:
+            group = f.create_group(f"fields/{field.name}")
+            offsets = group.create_dataset("offsets", (n + 1,), dtype=np.int64)
+            offsets[0] = 0
+            targets.append((group.create_dataset("values", (total,), dtype=np.uint8), offsets))
+    done = np.zeros(len(fields), np.int64)  # bytes of each field written so far
+    rows_per_read = max(1, (COPY_BYTES // 8) // len(fields))
+    with open(values_path, "rb") as values, open(lengths_path, "rb") as lengths_file:
+        a = 0
+        while a < n:
+            lengths = np.fromfile(lengths_file, np.int64, count=min(rows_per_read, n - a) * len(fields))
+            lengths = lengths.reshape(-1, len(fields))
+            if not len(lengths):
+                raise OSError(errno.EIO, f"{lengths_path.name} ends early", str(lengths_path))
+            for block in _blocks(lengths):
+                _deal(values, lengths[block], targets, done, a + block.start)
+            a += len(lengths)
+
+
+def _blocks(lengths: np.ndarray) -> list[slice]:
+    """Runs of rows whose values hold at most COPY_BYTES together (a row larger than that alone)."""
+    ends = np.cumsum(lengths.sum(axis=1))
+    out, start, base = [], 0, 0
+    while start < len(lengths):
+        stop = max(start + 1, int(np.searchsorted(ends, base + COPY_BYTES, side="right")))
+        out.append(slice(start, stop))
+        base, start = int(ends[stop - 1]), stop
+    return out
+
+
+def _deal(values, lengths: np.ndarray, targets: list, done: np.ndarray, first: int) -> None:
+    """Read the values of the samples ``first``.. (``lengths``: their rows) and write each field's bytes to its
+    dataset, its offsets after the ones written."""
+    data = memoryview(values.read(int(lengths.sum())))
+    ends = np.cumsum(lengths.ravel()).reshape(lengths.shape)  # where each value ends in ``data``
+    rows = len(lengths)
+    for k, (dataset, offsets) in enumerate(targets):
+        piece = b"".join(data[e - size:e] for e, size in zip(ends[:, k].tolist(), lengths[:, k].tolist(),
+                                                              strict=True))
+        if offsets is None:
+            dataset[first:first + rows] = np.frombuffer(piece, dataset.dtype).reshape(rows, *dataset.shape[1:])
+        else:
+            dataset[done[k]:done[k] + len(piece)] = np.frombuffer(piece, np.uint8)
+            offsets[first + 1:first + 1 + rows] = done[k] + np.cumsum(lengths[:, k])
+        done[k] += len(piece)
