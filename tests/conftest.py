@@ -143,7 +143,7 @@ _MARKS_BY_MODULE = {
     "test_parts_blocks": ("distributed", "remote"),  # packs by torchrun, then reads from a server
     "test_remote": ("remote",), "test_blocked_remote": ("remote",), "test_presigned": ("remote",),
     "test_bench": ("slow",), "test_orphans": ("slow",), "test_untrusted": ("slow", "remote"),
-    "test_resume_loader": ("slow", "distributed"),
+    "test_resume_loader": ("slow", "distributed"), "test_kill_resume": ("slow",),
 }
 
 

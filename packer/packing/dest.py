@@ -179,12 +179,30 @@ def _prepare(path: Path, overwrite: bool, problems: Callable[[Path], list[str]],
     path.mkdir(parents=True, exist_ok=True)
 
 
-def empty_folder(path: Path) -> None:
-    """Delete what ``path`` holds (links themselves, never what they point to), keeping the folder itself: its
-    permissions, or a mount point."""
-    for entry in os.listdir(path):
+def empty_folder(path: Path, keep: tuple[str, ...] = ()) -> None:
+    """Delete what ``path`` holds (links themselves, never what they point to) but the entries named ``keep``,
+    keeping the folder itself: its permissions, or a mount point. The manifest goes first (a folder half emptied
+    is never taken for a dataset) and the progress record last (until then the folder is an unfinished conversion
+    that ``--resume`` and ``--overwrite`` recognise, whenever the process is killed)."""
+    last = {MANIFEST: 0, JOURNAL: 2}
+    for entry in sorted(os.listdir(path), key=lambda name: last.get(name, 1)):
+        if entry in keep:
+            continue
         child = path / entry
         if is_folder(child):
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+def only_leftovers(dest: Path) -> bool:
+    """Whether ``dest`` holds something, and nothing but packer's temporary files (a progress record or manifest
+    being written, a format's ``.tmp`` files): what a conversion killed before its progress record was in place
+    leaves. Packer never leaves such a folder otherwise, so every command may empty it."""
+    try:
+        names = os.listdir(dest) if is_folder(dest) else []
+    except OSError:
+        return False
+    own = (MANIFEST + ".tmp", JOURNAL + ".tmp", TUNED + ".tmp")
+    return bool(names) and all(name.endswith(".tmp") and is_regular_file(dest / name) and _packer_file(name, own)
+                               for name in names)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..arguments import shown, spelled
 from ..errors import DestinationError, NothingPackedError
-from ..manifest import MANIFEST, read_local_manifest
+from ..manifest import JOURNAL, MANIFEST, read_local_manifest
 from ..system import is_regular_file
 from .convert import Converted, convert_samples
 from .coordinator import Coordinator, detect, early_rank
@@ -75,7 +75,9 @@ def fail_if_busy(dest: Path, options: PackOptions, coordinator: Coordinator | No
     Raises:
         DestinationBusyError: another packer process is writing ``dest``.
     """
-    finished = options.resume and is_regular_file(dest / MANIFEST)
+    # a manifest beside a progress record is not finished: killed between the two steps of writing the manifest and
+    # removing the record, or while --overwrite emptied DEST; --resume continues from the record
+    finished = options.resume and is_regular_file(dest / MANIFEST) and not is_regular_file(dest / JOURNAL)
     rank = coordinator.rank if coordinator is not None else early_rank(options.distributed)
     if rank == 0 and not finished:
         check_free(dest)

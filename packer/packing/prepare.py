@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DestinationError, warn
-from .dest import dataset_problems, prepare_output
+from ..manifest import JOURNAL
+from .dest import check_output, dataset_problems, empty_folder, only_leftovers
 from .journal import resumable, start
 from .lock import check_parts_free
 from .plan import Plan
@@ -22,6 +23,10 @@ def open_dest(dest: Path, plan: Plan) -> tuple[dict, bool]:
     """
     journal = resumable(dest, plan.record, plan.options.resume)
     if journal is not None:
+        if journal.get("writer") is None and "world_size" not in plan.record:
+            # one process, nothing durable: what the interrupted run wrote goes (HDF5's temporary files, an LMDB
+            # before its first commit); a distributed conversion keeps its progress in its part folders
+            empty_folder(dest, keep=(JOURNAL,))
         return journal, True
     if plan.options.resume:
         warn(f"nothing to resume in {dest}; starting afresh")
@@ -30,5 +35,16 @@ def open_dest(dest: Path, plan: Plan) -> tuple[dict, bool]:
         raise DestinationError(problem)
     if plan.options.overwrite:
         check_parts_free(dest)
-    prepare_output(dest, plan.options.overwrite, dataset_problems, "packer dataset")
+    try:
+        if only_leftovers(dest):  # a conversion killed before its progress record was in place
+            empty_folder(dest)
+        if check_output(dest, plan.options.overwrite, dataset_problems, "packer dataset"):
+            # the new progress record first: from here DEST is this unfinished conversion, whenever it is killed
+            journal = start(dest, plan.record)
+            empty_folder(dest, keep=(JOURNAL,))
+            return journal, False
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DestinationError(f"{dest}: cannot create or empty this folder ({exc.strerror or exc}); choose "
+                               "another destination") from None
     return start(dest, plan.record), False
