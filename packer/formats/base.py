@@ -44,11 +44,11 @@ class Writer(ABC):
         # the fields beyond the image and the class (options["schema"]: absent for image-and-class datasets)
         self.extra_fields: list[Field] = extra_fields((options or {}).get("schema") or schema_of({}))
 
-    @classmethod
-    def check_schema(cls, schema: Sequence[Field]) -> str | None:
-        """Why this format cannot store samples of ``schema`` (a field name it cannot write), or None. The pack
-        asks before anything is read or written; each format owns its rule."""
-        return None
+    @classmethod  # noqa: B027 - a format that stores any schema checks nothing
+    def check_schema(cls, schema: Sequence[Field], options: dict[str, Any] | None = None, where: object = "") -> None:
+        """Refuse, before anything is read or written, a schema this format cannot store (a field name it cannot
+        write): a :class:`~packer.errors.UsageError` whose one line begins with ``where`` (``"TABLE: "``) and
+        names the field. ``options`` are the writer's. Each format owns its rule."""
 
     @abstractmethod
     def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:

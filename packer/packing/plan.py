@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..errors import ImageError, UsageError, warn
+from ..errors import ImageError, warn
 from ..fields import is_pair_schema
 from ..formats.base import Writer, get_format
 from ..images.transforms import TransformSpec
@@ -69,9 +69,7 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
     spec = options.transform_spec(source.default_store, source.mode)
     source.check(spec)
     where = source.root if source.kind == "folder" else src
-    problem = writer_cls.check_schema(source.schema)
-    if problem:
-        raise UsageError(f"{where}: {problem} (--format {options.format})")
+    writer_cls.check_schema(source.schema, {}, f"{where}: ")
     if source.hidden_skipped and not quiet:
         warn(f"skipped {source.hidden_skipped} hidden files and folders in {where} (names starting with '.'); "
              "pass --include-hidden to keep them")

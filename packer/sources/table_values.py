@@ -190,8 +190,9 @@ def infer_field(name: str, cells: Sequence[object], text: bool = True) -> Field:
             kind = "int64" if all(_int_text(v, False) is not None for p in lists for v in p) else "float32"
             return Field(name, kind, None if any(not p for p in lists) else (len(lists[0]),))
         return Field(name, "json")
-    if all(isinstance(c, str) for c in present):
-        if all(c.lower().endswith(IMAGE_SUFFIXES) for c in present):  # type: ignore[union-attr]
+    strings = [c for c in present if isinstance(c, str)]
+    if len(strings) == len(present):
+        if all(c.lower().endswith(IMAGE_SUFFIXES) for c in strings):
             return Field(name, "image")
         return Field(name, "text")
     return Field(name, "json")  # JSON Lines values of several JSON types: kept as JSON, each value exact

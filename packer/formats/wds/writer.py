@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import PackerError
+from ...errors import PackerError, UsageError
 from ...fields import Field, extra_fields, fields_crc32, label_field
 from ...images.transforms import Encoded
 from ...manifest import file_entry, fsync_dir
@@ -66,8 +66,11 @@ class WdsWriter(Writer):
         self.in_shard = 0
 
     @classmethod
-    def check_schema(cls, schema: Sequence[Field]) -> str | None:
-        return schema_problem(extra_fields(schema), label_field(schema) is not None)
+    def check_schema(cls, schema: Sequence[Field], options: dict[str, Any] | None = None, where: object = "") -> None:
+        """The field names WebDataset members can hold (:func:`~.members.schema_problem`)."""
+        problem = schema_problem(extra_fields(schema), label_field(schema) is not None)
+        if problem:
+            raise UsageError(f"{where}{problem} (WebDataset; --format lmdb or hdf5 store any field name)")
 
     def _add(self, name: str, data: bytes) -> int:
         """Add one member; return the offset of its data in the shard."""
