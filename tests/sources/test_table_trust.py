@@ -173,11 +173,15 @@ def test_a_field_name_too_long_for_a_tar_header_is_refused_up_front(root, tmp_pa
     assert_ok(packer_limited("pack", src, tmp_path / "lmdb", "--format", "lmdb", "--quiet"))
 
 
-@pytest.mark.parametrize("name, kind", [("png", "mask"), ("cls", "int64"), ("jpg", "image"), ("json", "json")])
+@pytest.mark.parametrize("name, kind", [("png", "mask"), ("cls", "int64"), ("jpg", "image"), ("json", "json"),
+                                        ("packer", "text"), ("packer", "json")])
 def test_a_field_named_like_a_webdataset_member_is_refused_or_kept_apart(root, tmp_path, name, kind):
     """A field named as the image's extension, the class or packer's json member never lands where they are
-    read: refused before anything is written, or stored under a name of its own."""
-    value = {"mask": "masks/img0.png", "int64": "7", "image": "images/img1.png", "json": '"{""a"": 1}"'}[kind]
+    read (``ds[i]`` and ``stream`` agree): refused before anything is written, or stored under a name of its
+    own."""
+    Image.open(root / "images" / "img1.png").convert("RGB").save(root / "images" / "second.jpg", quality=90)
+    value = {"mask": "masks/img0.png", "int64": "7", "image": "images/second.jpg", "json": '"{""a"": 1}"',
+             "text": "words"}[kind]
     src = root / "t.csv"
     src.write_text(f"image,label,{name}\nimages/img0.png,cat,{value}\nimages/img2.png,dog,{value}\n")
     proc = packer_limited("pack", src, tmp_path / "out", "--format", "wds", "--quiet", "--label-column", "label",
@@ -193,7 +197,7 @@ def test_a_field_named_like_a_webdataset_member_is_refused_or_kept_apart(root, t
         assert np.array_equal(sample["image"].permute(1, 2, 0).numpy(),
                               np.asarray(Image.open(root / ds.relpath(i)).convert("RGB")))
         got = sample[name]
-        want = {"int64": 7, "json": {"a": 1}}.get(kind)
+        want = {"int64": 7, "json": {"a": 1}, "text": "words"}.get(kind)
         if want is not None:
             assert (got.item() if hasattr(got, "item") else got) == want
         else:
@@ -201,6 +205,14 @@ def test_a_field_named_like_a_webdataset_member_is_refused_or_kept_apart(root, t
             stored = np.asarray(Image.open(root / value).convert("RGB")) if kind == "image" else \
                 np.asarray(Image.open(root / value))
             assert np.array_equal(shown, stored)
+    batch = next(iter(packer.stream(tmp_path / "out", batch_size=len(ds), shuffle=False, num_workers=0)))
+    for i in range(len(ds)):  # the sequential reader finds each member where ds[i] does
+        sample = ds[i]
+        assert int(batch["label"][i]) == sample["label"]
+        assert np.array_equal(np.asarray(batch["image"][i]), np.asarray(sample["image"]))
+        got = batch[name][i]
+        assert (got == sample[name]) if kind in ("json", "text") else \
+            np.array_equal(np.asarray(got), np.asarray(sample[name]))
 
 
 def test_one_huge_integer_does_not_make_a_column_float(root, tmp_path):
