@@ -191,11 +191,13 @@ def trace_read(root: Path, table: str, table_root: str) -> list[tuple[str, str]]
     import packer.formats
 
     calls = _Calls()
+    with open(table, encoding="utf-8") as f:  # sample_data's tags are lists of any length
+        lists = ("tags:int64[]",) if "tags" in f.readline().strip().split(",") else ()
     with tempfile.TemporaryDirectory() as out:
         for fmt in packer.formats.format_names():
             dest = Path(out) / fmt
             packer.pack(table, dest, fmt, root=table_root, label_column="subject", max_size=64, workers=1,
-                        progress=False, distributed=False)
+                        progress=False, distributed=False, field=lists)
             with calls:
                 ds = packer.open_dataset(dest, random_resized_crop=32, flip=True)
                 ds[0]
