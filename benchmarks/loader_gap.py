@@ -32,7 +32,7 @@ import simplejpeg
 import packer
 from packer.bench import decode_rates
 from packer.formats.base import Sample
-from packer.reading.decoding import decode_buffer
+from packer.reading.scratch import decode_buffer
 
 
 def main() -> None:

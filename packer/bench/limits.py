@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..formats.base import Sample
-from ..reading.decoding import decode_buffer
+from ..reading.scratch import decode_buffer
 from ..system import process_context, usable_cores
 from .cache import BLOCK, EVICTED_BELOW, evict, release_handles, resident_fraction
 from .targets import Target

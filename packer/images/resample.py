@@ -20,11 +20,19 @@ fast path's worst windows are in docs/benchmarks.md.
 A region with fractional bounds (a window in an image decoded at a reduced DCT scale) goes through
 ``warpAffine``, which maps the output grid onto the exact fractional box; rounding the box to whole pixels
 instead cost several dB.
+
+:func:`enlarge` is the default decoder's kernel, not an approximation: where a bilinear resize enlarges an image
+(neither side shrinks), Pillow's triangle is one pixel wide, a plain 2-tap linear interpolation, and OpenCV's
+``INTER_LINEAR`` interpolates the same two pixels at the same positions. Run in float32 and rounded once, it
+stays within one level of Pillow, which rounds to uint8 between its two passes (each result is within half a
+level of the exact interpolation, Pillow's within one); OpenCV's uint8 kernel truncates partial sums and is not
+held to that.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import cv2
 import numpy as np
@@ -84,6 +92,62 @@ def resample(src: np.ndarray, box: Box | None, size: tuple[int, int], out: np.nd
     if flipped:
         _into(cv2.flip(out, 1, dst=_cv(out)), out)
     return out
+
+
+def enlarge(src: np.ndarray, resized: tuple[int, int], region: tuple[int, int, int, int],
+            out: np.ndarray | None = None) -> np.ndarray:
+    """``region`` of ``src`` resized to ``resized`` by Pillow's bilinear filter, within one level of Pillow's
+    ``resize(..., BILINEAR)`` then ``crop``, where neither side shrinks (see the module docstring).
+
+    Only the rows and columns up to the region's last are resampled: OpenCV's output grid starts at the image's
+    first pixel, so the part above and left of the region is computed and dropped, the rest never touched.
+
+    Args:
+        src: a uint8 (H, W, C) array; C is 1 or 3. It may be a read-only or strided view.
+        resized: the (height, width) of the whole resized image, each at least ``src``'s.
+        region: (top, left, height, width) of the output in the resized image.
+        out: a C-contiguous (height, width, C) uint8 array to write into; allocated when None.
+
+    Returns:
+        ``out``, or the new (height, width, C) array.
+    """
+    h, w = src.shape[:2]
+    top, left, height, width = region
+    if out is None:
+        out = np.empty((height, width, src.shape[2]), np.uint8)
+    rows, cols = _taps_to(top + height, h, resized[0]), _taps_to(left + width, w, resized[1])
+    used = _cv(src[:rows, :cols])
+    source = _reused("source", used.shape)
+    np.copyto(source, used)
+    fx, fy = resized[1] / w, resized[0] / h  # the scale given, not derived from an output size: exact positions
+    scaled = cv2.resize(source, None, dst=_reused("scaled", (round(rows * fy), round(cols * fx), *used.shape[2:])),
+                        fx=fx, fy=fy, interpolation=cv2.INTER_LINEAR)
+    kept = scaled[top:top + height, left:left + width]
+    if kept.shape[:2] != (height, width):  # the grid stops short of the region: never for sizes Pillow takes
+        raise ValueError(f"cannot resize {w}x{h} to {resized[1]}x{resized[0]} for the region {region}")
+    _into(cv2.convertScaleAbs(kept, dst=_cv(out)), out)  # rounded to the nearest level, saturated
+    return out
+
+
+_buffers = threading.local()  # each thread's float32 buffers for enlarge, reused: a fresh one pays page faults
+
+
+def _reused(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """This thread's float32 buffer ``name`` as an array of ``shape``, grown when too small; reused by the next
+    call of the same thread."""
+    size = math.prod(shape)
+    buffer = getattr(_buffers, name, None)
+    if buffer is None or buffer.size < size:
+        buffer = np.empty(size, np.float32)
+        setattr(_buffers, name, buffer)
+    return buffer[:size].reshape(shape)
+
+
+def _taps_to(end: int, size: int, resized: int) -> int:
+    """How many source pixels along an axis of ``size`` the linear taps of output pixels ``0..end-1`` of a resize
+    to ``resized`` reach: output ``i`` samples ``(i + 0.5) * size / resized - 0.5`` and its right neighbour."""
+    last = (end - 0.5) * size / resized - 0.5
+    return min(size, math.floor(last) + 3)  # its two taps, and one more against rounding in OpenCV's grid
 
 
 def _linear(src: np.ndarray, box: Box, dst: np.ndarray) -> None:

@@ -31,6 +31,7 @@ import simplejpeg
 from PIL import Image, ImageOps
 
 from ..errors import ImageError, UsageError
+from .resample import enlarge
 
 INTERPOLATIONS = {
     "nearest": Image.Resampling.NEAREST,
@@ -213,32 +214,29 @@ def apply_geometry(img: Image.Image, resize: int | Size | None = None, max_size:
     return img
 
 
-def center_box(full: tuple[int, int], resize: int | Size | None, crop: Size | None
-               ) -> tuple[tuple[float, float, float, float], tuple[int, int], tuple[int, int]] | None:
-    """What :func:`resize_crop` keeps of a ``full`` (height, width) image: the region (left,
-    top, right, bottom, in its pixels), the output (height, width) and the resized (height, width) before the
-    crop; None when the crop pads."""
+def center_region(full: tuple[int, int], resize: int | Size | None, crop: Size | None
+                  ) -> tuple[tuple[int, int], tuple[int, int, int, int]] | None:
+    """Where :func:`apply_geometry`'s centre crop falls in the resized image of a ``full`` (height, width) one:
+    the resized (height, width) and the crop's (top, left, height, width) in it; None when the crop pads."""
     h, w = full
     rw, rh = output_size(w, h, resize, None)
     if crop and (crop[0] > rw or crop[1] > rh):
         return None
     cw, ch = crop or (rw, rh)
-    left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
-    sx, sy = w / rw, h / rh
-    return (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), (rh, rw)
+    return (rh, rw), (int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0)), ch, cw)
 
 
-def crop_slice(full: tuple[int, int], resize: int | Size | None, crop: Size | None
-               ) -> tuple[slice, slice] | None:
-    """The (rows, columns) :func:`resize_crop` keeps when its resize leaves the size as it is (an image stored
-    at the read-time resize, or no resize): the crop is then a slice, the same pixels as Pillow's resample at
-    scale 1 gives, at a fraction of its cost. None when there is resampling to do, or the crop pads."""
-    region = center_box(full, resize, crop)
-    if region is None or region[2] != tuple(full):
+def center_box(full: tuple[int, int], resize: int | Size | None, crop: Size | None
+               ) -> tuple[tuple[float, float, float, float], tuple[int, int], tuple[int, int]] | None:
+    """What :func:`resize_crop` keeps of a ``full`` (height, width) image: the region (left,
+    top, right, bottom, in its pixels), the output (height, width) and the resized (height, width) before the
+    crop; None when the crop pads."""
+    found = center_region(full, resize, crop)
+    if found is None:
         return None
-    (left, top, _, _), (height, width), _ = region
-    top, left = int(top), int(left)
-    return slice(top, top + height), slice(left, left + width)
+    (rh, rw), (top, left, ch, cw) = found
+    sx, sy = full[1] / rw, full[0] / rh
+    return (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy), (ch, cw), (rh, rw)
 
 
 def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
@@ -246,12 +244,46 @@ def resize_crop(img: Image.Image, resize: int | Size | None, crop: Size | None,
     """Resize then centre-crop, fused: only the region that survives the crop is resampled, about twice as fast
     as :func:`apply_geometry`. Rounding in the resampling can make a pixel differ from it by one level, so the
     converter and ``decoder="pil"`` use :func:`apply_geometry`; every packed reader and FolderDataset use this
-    one by default, so they agree with each other exactly."""
+    one by default where the resize shrinks the image (:func:`resize_crop_array`), so they agree with each
+    other exactly."""
     region = center_box((img.height, img.width), resize, crop)
     if not crop or region is None:
         return apply_geometry(img, resize, None, crop, interpolation)
     box, (height, width), _ = region
     return img.resize((width, height), INTERPOLATIONS[interpolation], box=box)
+
+
+def geometry_shape(shape: tuple[int, ...], resize: int | Size | None, crop: Size | None) -> tuple[int, int, int]:
+    """The (H, W, C) that :func:`apply_geometry` gives an image of ``shape`` (H, W, C)."""
+    if crop:
+        return crop[1], crop[0], shape[2]
+    width, height = output_size(shape[1], shape[0], resize, None)
+    return height, width, shape[2]
+
+
+def resize_crop_array(arr: np.ndarray, resize: int | Size | None, crop: Size | None,
+                      interpolation: str = "bilinear", out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`apply_geometry`'s resize and centre crop of an (H, W, C) array, within one level of it, written
+    into ``out`` when given: the default decoder's read-time geometry.
+
+    Only what the crop keeps is computed. An image already at the resized size is sliced (the same pixels);
+    a bilinear resize that enlarges it (neither side shrinks: an image stored at most as large as the read-time
+    resize) goes through :func:`packer.images.resample.enlarge`, several times faster than Pillow; anything
+    else through Pillow's resize of the kept region (:func:`resize_crop`)."""
+    found = center_region(arr.shape[:2], resize, crop)
+    if found is not None and found[0] == arr.shape[:2]:
+        top, left, height, width = found[1]
+        result = arr[top:top + height, left:left + width]
+    elif found is not None and interpolation == "bilinear" and min(np.subtract(found[0], arr.shape[:2])) >= 0:
+        return enlarge(arr, found[0], found[1], out)
+    else:
+        result = as_hwc(resize_crop(to_pil(arr), resize, crop, interpolation))
+    if out is None:
+        return np.ascontiguousarray(result)
+    if result.shape != out.shape:
+        raise ValueError(f"the image comes out {result.shape}, not {out.shape}")
+    out[...] = result
+    return out
 
 
 # Pillow's bomb check reads the process-wide Image.MAX_IMAGE_PIXELS; it is lifted only around the header parse,

@@ -25,9 +25,10 @@ from ..errors import CorruptDataError, PackerError, UsageError
 from ..fields import is_pair_schema, label_field
 from ..formats.base import Reader, Sample, StreamSample
 from ..reading.batches import collate_column, field_tensor
-from ..reading.decoding import Decoding, decode_buffer
+from ..reading.decoding import Decoding
 from ..reading.fields import FieldDecoder, select_fields
 from ..reading.mix import SOURCE, joined_classes, relabeled
+from ..reading.scratch import decode_buffer
 
 
 def key_index(key: str) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .decoding import DECODE_SLACK, decode_buffer, decode_start
+from .scratch import DECODE_SLACK, decode_buffer, decode_start
 
 _NUMPY_DTYPES = {torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32}
 
@@ -37,8 +37,8 @@ def empty_batch(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = F
 
 def placed_empty(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, pin_memory=pin_memory)``, starting where a JPEG decodes into memory
-    fastest (:data:`packer.reading.decoding.DECODE_OFFSET`, whose comment has the measurements) rather than on the
-    allocator's 64-byte boundary; unpinned, in numpy's memory (:func:`~packer.reading.decoding.decode_buffer`)."""
+    fastest (:data:`packer.reading.scratch.DECODE_OFFSET`, whose comment has the measurements) rather than on the
+    allocator's 64-byte boundary; unpinned, in numpy's memory (:func:`~packer.reading.scratch.decode_buffer`)."""
     if not pin_memory and dtype in _NUMPY_DTYPES:
         memory = decode_buffer(tensor_bytes(shape, dtype))
         return torch.from_numpy(memory.view(_NUMPY_DTYPES[dtype]).reshape(shape))
@@ -62,7 +62,7 @@ def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def _placed(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The tensor of ``shape`` and ``dtype`` in ``flat`` (uint8, ``DECODE_SLACK`` bytes longer than it needs)
-    at the first :func:`~packer.reading.decoding.decode_start`; a 224 x 224 x 3 image is 150,528 bytes, a multiple of
+    at the first :func:`~packer.reading.scratch.decode_start`; a 224 x 224 x 3 image is 150,528 bytes, a multiple of
     64, so every image of the batch starts there too."""
     start = decode_start(flat.data_ptr())
     return flat[start:start + tensor_bytes(shape, dtype)].view(dtype).view(shape)

@@ -69,11 +69,11 @@ class PackedDataset(BatchDataset):
         center_crop: a read-time centre crop after the resize (N or ``"WxH"``), as the offline one; or a function
             of the epoch.
         interpolation: the read-time resize's filter (``bilinear``, ``bicubic``, ``nearest``...).
-        decoder: ``"auto"`` (simplejpeg for JPEG, else Pillow; a read-time crop resamples only the kept region, a
-            random resized crop decodes JPEGs at a reduced DCT scale and resamples with OpenCV), ``"fast"`` (faster
-            from ``original`` stores: also the read-time resize and crop so, where the JPEG is over twice the resized
-            size; docs/benchmarks.md has the figures) or ``"pil"`` (Pillow for everything: torchvision's pipeline,
-            exactly); ``auto`` and ``fast`` within 30 dB PSNR of ``pil``.
+        decoder: ``"auto"`` (simplejpeg for JPEG, else Pillow; a read-time resize and crop within one level of
+            ``"pil"``; a random resized crop from a DCT-scaled decode, resampled by OpenCV, within 30 dB of Pillow),
+            ``"fast"`` (also the read-time resize and crop from a DCT-scaled decode where the JPEG is over twice the
+            resized size: faster from ``original`` stores, within 30 dB of auto; docs/training.md, "Which decoder
+            for what") or ``"pil"`` (Pillow for everything: torchvision's pipeline, exactly).
         random_resized_crop: an int or ``(height, width)``: torchvision's ``RandomResizedCrop`` fused into decoding,
             its window a function of ``(seed, epoch, index)`` (:meth:`augment_params`); replaces the resize and crop.
             Or a function of the epoch that gives the size (``lambda epoch: 160 + 32 * min(epoch, 10) // 10``).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +26,14 @@ from ..images.transforms import (
     as_hwc,
     as_pair,
     center_box,
-    crop_slice,
+    center_region,
     decode,
+    geometry_shape,
     jpeg_size,
     open_image,
     parse_size,
     resize_crop,
+    resize_crop_array,
     to_pil,
 )
 from .augment import (
@@ -50,43 +51,12 @@ from .augment import (
     write_image,
 )
 from .indices import EpochIndex
+from .scratch import decode_scratch
 
 # a read-time size, or a function of the epoch that gives one (a resolution schedule)
 Sized = int | str | tuple[int, int] | Callable[[int], Any]
 # an epoch's scheduled sizes, ((name, size), ...): hashable, picklable, small
 View = tuple[tuple[str, Any], ...]
-
-# Where decoded pixels should start: simplejpeg decodes fastest into rows a few bytes past a 64-byte boundary,
-# not on one (docs/benchmarks.md, "Decoding"). torch's CPU and pinned memory start on 64-byte boundaries and
-# shared memory on a page; numpy's arrays start wherever glibc puts them. Batches and scratch buffers start here.
-DECODE_OFFSET = 16
-DECODE_SLACK = 64  # bytes allocated beyond a buffer's size to move its start there
-
-
-def decode_start(address: int) -> int:
-    """Bytes to skip from ``address`` to the next address ``DECODE_OFFSET`` past a 64-byte boundary."""
-    return (DECODE_OFFSET - address) % DECODE_SLACK
-
-
-def decode_buffer(nbytes: int) -> np.ndarray:
-    """An uninitialised flat uint8 array of ``nbytes`` at a :func:`decode_start`. From numpy, which asks the
-    kernel for transparent huge pages for large arrays; torch's allocator does not, and decoding into torch's
-    memory was measurably slower (docs/benchmarks.md, "Decoding")."""
-    flat = np.empty(nbytes + DECODE_SLACK, np.uint8)
-    start = decode_start(flat.ctypes.data)
-    return flat[start:start + nbytes]
-
-
-_scratch = threading.local()  # each decode thread's buffer for a whole image it crops from
-
-
-def decode_scratch(nbytes: int) -> np.ndarray:
-    """This thread's scratch :func:`decode_buffer` of ``nbytes``, reused by the thread's next call: what is in
-    it must be copied out before then."""
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or len(buffer) < nbytes:
-        _scratch.buffer = buffer = decode_buffer(nbytes)
-    return buffer[:nbytes]
 
 
 def write_into(out: np.ndarray | None, arr: np.ndarray, mismatch: Callable[[tuple, tuple], str]) -> np.ndarray:
@@ -388,8 +358,10 @@ class Decoding:
         geometry = self.resize or self.center_crop
         if self._is_raw:
             arr = self._stored_array(index, sample)
-            if geometry:
+            if geometry and self.decoder == "pil":
                 arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+            elif geometry:
+                return self._geometry(name, arr, out)
         elif self.decoder == "pil":
             img = open_image(bytes(sample.payload), name, self.max_pixels).convert(self.spec.mode)
             if geometry:
@@ -400,16 +372,19 @@ class Decoding:
                 fast = self._fast_resize_crop(index, sample, out)
                 if fast is not None:
                     return fast
-            arr = decode(sample.payload, self.spec.mode, name, self.max_pixels)
-            kept = crop_slice(arr.shape[:2], self.resize, self.center_crop)
-            if kept is not None:  # stored at the read-time size: a crop, copied once below
-                arr = arr[kept]
-            else:
-                arr = as_hwc(resize_crop(to_pil(arr), self.resize, self.center_crop, self.interpolation))
+            return self._geometry(name, decode(sample.payload, self.spec.mode, name, self.max_pixels), out)
         else:
             return decode(sample.payload, self.spec.mode, name, self.max_pixels, out=out)
         return write_into(out, arr, lambda got, want: f"{name}: image is {got}, the dataset says {want}; re-pack "
                                                       "or pass resize/center_crop")
+
+    def _geometry(self, name: str, arr: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The read-time resize and centre crop of a decoded image (:func:`resize_crop_array`: within one level of
+        ``decoder="pil"``), written into ``out`` when given."""
+        if out is not None and out.shape != geometry_shape(arr.shape, self.resize, self.center_crop):
+            raise CorruptDataError(f"{name}: image is {arr.shape[1]}x{arr.shape[0]}, which does not give the "
+                                   f"dataset's {out.shape}; re-pack or pass resize/center_crop")
+        return resize_crop_array(arr, self.resize, self.center_crop, self.interpolation, out)
 
 
 class RowDecoder:
@@ -450,13 +425,15 @@ class JpegIntoRow(RowDecoder):
 
 
 class CroppedJpegRow(RowDecoder):
-    """JPEGs stored at the read-time resize (``decoder="auto"``, a centre crop to do): decoded whole into this
-    thread's scratch buffer, the crop's slice copied into the row."""
+    """JPEGs with a read-time centre crop (``decoder="auto"``): decoded whole into this thread's scratch buffer,
+    then the crop's slice copied into the row, or the kept region resampled into it (:func:`resize_crop_array`,
+    within one level of ``decoder="pil"``)."""
 
     def __init__(self, decoding: Decoding):
         super().__init__(decoding)
         self.resize, self.crop, self.max_pixels = decoding.resize, decoding.center_crop, decoding.max_pixels
-        self.kept_by_size: dict[tuple[int, int], Any] = {}  # crop_slice by image size; False: it needs resampling
+        self.interpolation = decoding.interpolation
+        self.fits_by_size: dict[tuple[int, int], bool] = {}  # whether an image of that size is decoded here
 
     @staticmethod
     def serves(decoding: Decoding) -> bool:
@@ -467,19 +444,19 @@ class CroppedJpegRow(RowDecoder):
         size = jpeg_size(sample.payload)
         if size is None:  # not a JPEG
             return self.general(index, sample, out, epoch)
-        kept = self.kept_by_size.get(size)
-        if kept is None:
-            kept = self.kept_by_size.setdefault(size, size[0] * size[1] <= self.max_pixels
-                                                and crop_slice(size, self.resize, self.crop) or False)
-        if kept:
+        fits = self.fits_by_size.get(size)
+        if fits is None:  # within the pixel limit, and a crop that does not pad (padding is decode_array's)
+            fits = self.fits_by_size.setdefault(size, size[0] * size[1] <= self.max_pixels
+                                                and center_region(size, self.resize, self.crop) is not None)
+        if fits:
             try:
                 scratch = decode_scratch(size[0] * size[1] * self.channels)
                 arr = simplejpeg.decode_jpeg(sample.payload, colorspace=self.colorspace, buffer=scratch)
             except ValueError:
                 arr = None
             if arr is not None and arr.shape[:2] == size:
-                out[...] = arr[kept]
-                return out
+                return resize_crop_array(arr.reshape(*size, self.channels), self.resize, self.crop,
+                                         self.interpolation, out)
         return self.general(index, sample, out, epoch)
 
 

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from support.packed import psnr
 
-from packer.images.resample import SOFTEN_FROM, halvings, resample
+from packer.images.resample import SOFTEN_FROM, enlarge, halvings, resample
 
 OUT = 48
 # Regions of a photograph, (left, top, right, bottom), for each kernel: upscale, a mild downscale (one bilinear
@@ -97,3 +97,47 @@ def test_read_only_and_strided_sources(photo):
     assert not frozen.flags.writeable
     box = REGIONS["mild"]
     assert np.array_equal(resample(frozen, box, (OUT, OUT)), resample(arr, box, (OUT, OUT)))
+
+
+# -- enlarge: the default decoder's kernel where a bilinear resize enlarges -----------------------------------------
+
+def pillow_resize_crop(arr: np.ndarray, resized: tuple[int, int], region: tuple[int, int, int, int]) -> np.ndarray:
+    """Pillow's whole resize then the crop: what ``decoder="pil"`` does."""
+    top, left, height, width = region
+    img = Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr)
+    return hwc(img.resize((resized[1], resized[0]), Image.Resampling.BILINEAR))[top:top + height, left:left + width]
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_enlarge_within_one_level_of_pillow_on_the_sharpest_images(channels):
+    """Random pixels, and random black-and-white ones (every neighbour a full-range step: the worst case for
+    rounding), at many sizes and scales (just over 1x to 4x, one side only), every region a crop of them."""
+    rng = np.random.default_rng(0)
+    worst = 0
+    for trial in range(60):
+        h, w = (int(v) for v in rng.integers(8, 120, 2))
+        arr = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+        if trial % 2:
+            arr = np.where(arr > 127, 255, 0).astype(np.uint8)
+        resized = (h + int(rng.integers(0, 3 * h)), w + int(rng.integers(0 if trial % 3 else 1, 3 * w)))
+        height, width = int(rng.integers(1, resized[0] + 1)), int(rng.integers(1, resized[1] + 1))
+        region = (int(rng.integers(0, resized[0] - height + 1)), int(rng.integers(0, resized[1] - width + 1)),
+                  height, width)
+        got = enlarge(arr, resized, region)
+        assert got.shape == (height, width, channels) and got.dtype == np.uint8
+        diff = np.abs(got.astype(np.int16) - pillow_resize_crop(arr, resized, region))
+        worst = max(worst, int(diff.max()))
+    assert worst == 1  # off by one somewhere (Pillow rounds between its passes), never by more
+
+
+def test_enlarge_into_a_slot_from_a_read_only_strided_view(photo):
+    arr = hwc(photo)[::2, 1::2]  # strided
+    frozen = np.frombuffer(arr.tobytes(), np.uint8).reshape(arr.shape)
+    frozen_view = frozen[3:, 5:]
+    resized = (frozen_view.shape[0] * 2 + 1, frozen_view.shape[1] + 7)
+    region = (10, 3, 50, 40)
+    batch = np.zeros((2, 50, 40, 3), np.uint8)
+    got = enlarge(frozen_view, resized, region, out=batch[1])
+    assert np.shares_memory(got, batch) and not batch[0].any()
+    assert np.array_equal(got, enlarge(np.ascontiguousarray(frozen_view), resized, region))
+    assert np.abs(got.astype(np.int16) - pillow_resize_crop(frozen_view.copy(), resized, region)).max() <= 1

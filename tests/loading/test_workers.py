@@ -21,7 +21,7 @@ import packer
 from packer.errors import CorruptDataError, PackerError
 from packer.loading.workers import WorkerPool
 from packer.reading.buffers import shared_tensor
-from packer.reading.decoding import DECODE_OFFSET
+from packer.reading.scratch import DECODE_OFFSET
 from packer.system import usable_cores
 
 BATCH = 16
@@ -80,7 +80,7 @@ def test_default_loader_on_two_cores_is_the_pool(pack):
 
 def test_batches_start_where_jpeg_decodes_run_fastest(pack):
     """libjpeg-turbo decodes ~10% slower into memory at a multiple of 32 bytes, which is what every allocator
-    gives (``packer.reading.decoding.DECODE_OFFSET`` has the measurements): the pool's slots, the threaded loader's
+    gives (``packer.reading.scratch.DECODE_OFFSET`` has the measurements): the pool's slots, the threaded loader's
     batches and torch workers' shared batches start ``DECODE_OFFSET`` past a 64-byte boundary."""
     ds = packer.open_dataset(pack("hdf5", "jpeg_fixed"))
     for settings in ({"num_workers": 0}, {"num_workers": 2, "timeout": LIVENESS}):
