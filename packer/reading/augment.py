@@ -26,6 +26,7 @@ from PIL import Image
 
 from ..images.resample import resample
 from ..images.transforms import INTERPOLATIONS, as_hwc, to_pil
+from .scratch import decode_scratch
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -129,13 +130,16 @@ def dct_factor(full: tuple[int, int], min_height: int, min_width: int) -> int:
 def scaled_jpeg(payload: bytes | memoryview, mode: str, full: tuple[int, int], min_height: int,
                 min_width: int) -> np.ndarray:
     """Decode a JPEG of ``full`` (height, width) at the smallest DCT scale among 1, 1/2, 1/4 and 1/8 whose image
-    is at least ``min_height`` x ``min_width``: libjpeg-turbo skips most of the inverse DCT work at those.
+    is at least ``min_height`` x ``min_width``: libjpeg-turbo skips most of the inverse DCT work at those. The
+    pixels are this thread's scratch buffer (:func:`~packer.reading.scratch.decode_scratch`), valid until its
+    next decode: they are resampled into the output before that.
     The other M/8 scales libjpeg-turbo offers are left out: they are slower than 1/2 and resample less well
     (docs/benchmarks.md)."""
     factor = dct_factor(full, min_height, min_width)
+    height, width, channels = -(-full[0] // factor), -(-full[1] // factor), 1 if mode == "L" else 3
     arr = simplejpeg.decode_jpeg(payload, colorspace="GRAY" if mode == "L" else "RGB", min_factor=factor,
-                                 min_height=-(-full[0] // factor), min_width=-(-full[1] // factor))
-    return arr if arr.ndim == 3 else arr[:, :, None]
+                                 min_height=height, min_width=width, buffer=decode_scratch(height * width * channels))
+    return arr.reshape(height, width, channels)
 
 
 def resample_box(arr: np.ndarray, full: tuple[int, int], box: tuple[float, float, float, float],
