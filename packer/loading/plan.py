@@ -57,6 +57,8 @@ class LoaderPlan:
         why: ``(setting, reason)`` for each of engine, workers, threads, pin_memory and prefetch.
         tuned: the settings from ``loader.json`` (``packer bench --tune``) the plan uses, as ``(name, value)``
             pairs (``dict(plan.tuned)``).
+        decoder: the faster decoder for the dataset's read-time view, and what it gives up, where there is one
+            (:func:`decoder_advice`); "" otherwise.
     """
 
     engine: Engine
@@ -66,6 +68,7 @@ class LoaderPlan:
     prefetch: int
     why: tuple[tuple[str, str], ...]
     tuned: tuple[tuple[str, Any], ...] = ()
+    decoder: str = ""
 
     def reason(self, setting: str) -> str:
         """The reason given for ``setting`` (``"engine"``, ``"workers"``, ``"threads"``, ``"pin_memory"``,
@@ -82,7 +85,8 @@ class LoaderPlan:
         per = " per worker" if self.workers else ""
         pinned = "pinned" if self.pin_memory else "not pinned"
         reasons = "; ".join(f"{setting}: {reason}" for setting, reason in self.why)
-        return f"{how}, prefetch {self.prefetch}{per}, {pinned} ({reasons})"
+        advice = f"; {self.decoder}" if self.decoder else ""
+        return f"{how}, prefetch {self.prefetch}{per}, {pinned} ({reasons}){advice}"
 
 
 def _count(n: int, noun: str, plural: str = "s") -> str:
@@ -191,7 +195,42 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
                                             "held out of those fetched ahead")
     order = ("engine", "workers", "threads", "pin_memory", "prefetch")
     return LoaderPlan(engine, workers, threads, bool(pin), prefetch, tuple((k, why[k]) for k in order),
-                      tuple(applied.items()))
+                      tuple(applied.items()), decoder_advice(dataset))
+
+
+def decoder_advice(dataset: Any) -> str:
+    """Which decoder would read ``dataset``'s view faster, and what it gives up; "" where its own is the one.
+
+    The default decoder's read-time resize and crop stay within one level of ``decoder="pil"`` (torchvision's
+    Pillow pipeline): where the resize enlarges the stored images or keeps their size (a store at most as large
+    as the resize), it is as fast as ``decoder="fast"``. Where it shrinks encoded images (an ``original`` store,
+    or one stored larger than the read-time resize), Pillow's antialiased filter does it, and ``decoder="fast"``
+    (a JPEG decoded at a reduced DCT scale, OpenCV's resampler) is several times faster, within 30 dB PSNR of
+    the default. The figures are in the README ("Reading"); ``packer bench`` measures both on the dataset."""
+    if not isinstance(dataset, PackedDataset) or dataset.decoder != "auto" or dataset.random_resized_crop:
+        return ""
+    spec = dataset.reader.spec
+    if dataset.resize is None or spec.store == "raw" or not _may_shrink(spec, dataset.resize):
+        return ""
+    return ('decoder: "auto" resamples with Pillow here, within one level of decoder="pil"; decoder="fast" '
+            "decodes at a reduced DCT scale and resamples with OpenCV, several times faster, within 30 dB PSNR "
+            "of it (packer bench measures both)")
+
+
+def _may_shrink(spec: Any, resize: int | tuple[int, int]) -> bool:
+    """Whether a read-time ``resize`` may shrink images stored as ``spec`` says (any side of any image)."""
+    want = min(resize) if isinstance(resize, tuple) else resize
+    if spec.center_crop:
+        short = min(spec.center_crop)
+    elif isinstance(spec.resize, tuple):
+        short = min(spec.resize)
+    elif spec.resize:
+        short = min(spec.resize, spec.max_size or spec.resize)
+    elif spec.max_size:
+        short = spec.max_size  # the short side is at most the long one's cap
+    else:
+        return True  # stored at their original size: anything
+    return want < short
 
 
 def _given(overrides: Mapping[str, Any], applied: Mapping[str, Any], name: str, default: Any,
