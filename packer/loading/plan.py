@@ -199,21 +199,27 @@ def plan_loader(dataset: Any, batch_size: int = 64, *, threads: int | None = Non
 
 
 def decoder_advice(dataset: Any) -> str:
-    """Which decoder would read ``dataset``'s view faster, and what it gives up; "" where its own is the one.
+    """Which decoder would read ``dataset``'s view faster, and what it gives up; "" where its own is the fastest.
 
     The default decoder's read-time resize and crop stay within one level of ``decoder="pil"`` (torchvision's
-    Pillow pipeline): where the resize enlarges the stored images or keeps their size (a store at most as large
-    as the resize), it is as fast as ``decoder="fast"``. Where it shrinks encoded images (an ``original`` store,
-    or one stored larger than the read-time resize), Pillow's antialiased filter does it, and ``decoder="fast"``
-    (a JPEG decoded at a reduced DCT scale, OpenCV's resampler) is several times faster, within 30 dB PSNR of
-    the default. The figures are in the README ("Reading"); ``packer bench`` measures both on the dataset."""
+    Pillow pipeline). Where the resize shrinks encoded images (an ``original`` store, or one stored larger than
+    the read-time resize), Pillow's antialiased filter does it, and ``decoder="fast"`` (a JPEG decoded at a reduced
+    DCT scale, OpenCV's resampler) is several times faster. Where the resize enlarges them (a store at most as
+    large as the resize), the default's float32 kernel costs more than ``decoder="fast"``'s ``warpAffine``,
+    whose positions are quantised to 1/32 pixel. Either way ``decoder="fast"`` is held to 30 dB PSNR of the
+    default; the README ("Which decoder for what") has the measured figures, and ``packer bench`` measures both
+    on the dataset."""
     if not isinstance(dataset, PackedDataset) or dataset.decoder != "auto" or dataset.random_resized_crop:
         return ""
     spec = dataset.reader.spec
-    if dataset.resize is None or spec.store == "raw" or not _may_shrink(spec, dataset.resize):
+    if dataset.resize is None or spec.store == "raw":
         return ""
-    return ('decoder: "auto" resamples with Pillow here, within one level of decoder="pil"; decoder="fast" '
-            "decodes at a reduced DCT scale and resamples with OpenCV, several times faster, within 30 dB PSNR "
+    if _may_shrink(spec, dataset.resize):
+        return ('decoder: "auto" shrinks with Pillow here, within one level of decoder="pil"; decoder="fast" '
+                "decodes at a reduced DCT scale and resamples with OpenCV, several times faster, within 30 dB PSNR "
+                "of it (packer bench measures both)")
+    return ('decoder: "auto" enlarges with OpenCV in float32 here, within one level of decoder="pil"; '
+            'decoder="fast" resamples with warpAffine (positions to 1/32 pixel), somewhat faster, within 30 dB PSNR '
             "of it (packer bench measures both)")
 
 

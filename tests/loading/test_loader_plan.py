@@ -115,20 +115,24 @@ def test_make_loader_builds_what_the_plan_says_and_logs_it(fixed, caplog):
     assert torchs.plan.engine == "torch" and torchs.worker_pool_settings is None
 
 
-def test_the_plan_names_the_faster_decoder_where_the_default_shrinks_with_pillow(pack_once, sample_data):
-    """Originals read with a resize that shrinks them: the default resamples with Pillow (within one level of
-    decoder="pil"), and the plan says decoder="fast" is the faster one and what it gives up. Where the default is
-    already the fast one (a store no larger than the resize, a random resized crop, fast asked for), it says
-    nothing."""
+def test_the_plan_names_the_faster_decoder_for_a_read_time_resize(pack_once, sample_data):
+    """A read-time resize with the default decoder: the plan says decoder="fast" is the faster one and what it
+    gives up, in words for shrinking (Pillow's filter, against DCT scaling) or enlarging (the float32 kernel,
+    against warpAffine). Where the default is already the fast one (a random resized crop, fast asked for, a
+    crop without a resize, a raw store), it says nothing."""
     original = pack_once(sample_data, "lmdb", "original")
     plan = plan_loader(packer.open_dataset(original, resize=64, center_crop=56), 16, cores=4, cuda=False)
     assert 'decoder="fast"' in plan.decoder and "30 dB" in plan.decoder and plan.decoder in str(plan)
-    jpeg_112 = pack_once(sample_data, "lmdb", "jpeg_fixed")  # 112 px, read at 112 or larger: never shrunk
-    quiet = [packer.open_dataset(jpeg_112, resize=128, center_crop=112),
-             packer.open_dataset(original, resize=64, center_crop=56, decoder="fast"),
+    assert "shrinks with Pillow" in plan.decoder
+    jpeg_112 = pack_once(sample_data, "lmdb", "jpeg_fixed")  # 112 px: read at 128, every image is enlarged
+    enlarged = plan_loader(packer.open_dataset(jpeg_112, resize=128, center_crop=112), 16, cores=4, cuda=False)
+    assert "enlarges with OpenCV" in enlarged.decoder and 'decoder="fast"' in enlarged.decoder
+    assert "shrinks" in plan_loader(packer.open_dataset(jpeg_112, resize=100, center_crop=96), 16, cores=4,
+                                    cuda=False).decoder
+    quiet = [packer.open_dataset(original, resize=64, center_crop=56, decoder="fast"),
              packer.open_dataset(original, random_resized_crop=56),
-             packer.open_dataset(original, center_crop=56)]
+             packer.open_dataset(original, center_crop=56),
+             packer.open_dataset(pack_once(sample_data, "lmdb", "raw"), resize=64, center_crop=56)]
     for ds in quiet:
         plan = plan_loader(ds, 16, cores=4, cuda=False)
         assert plan.decoder == "" and "decoder" not in str(plan)
-    assert plan_loader(packer.open_dataset(jpeg_112, resize=100, center_crop=96), 16, cores=4, cuda=False).decoder
