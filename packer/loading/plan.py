@@ -207,8 +207,7 @@ def decoder_advice(dataset: Any) -> str:
     DCT scale, OpenCV's resampler) is several times faster. Where the resize enlarges them (a store at most as
     large as the resize), the default's float32 kernel costs more than ``decoder="fast"``'s ``warpAffine``,
     whose positions are quantised to 1/32 pixel. Either way ``decoder="fast"`` is held to 30 dB PSNR of the
-    default; the README ("Which decoder for what") has the measured figures, and ``packer bench`` measures both
-    on the dataset."""
+    default; docs/training.md ("Which decoder for what") says which to pick, docs/benchmarks.md has the figures."""
     if not isinstance(dataset, PackedDataset) or dataset.decoder != "auto" or dataset.random_resized_crop:
         return ""
     spec = dataset.reader.spec
@@ -217,10 +216,10 @@ def decoder_advice(dataset: Any) -> str:
     if _may_shrink(spec, dataset.resize):
         return ('decoder: "auto" shrinks with Pillow here, within one level of decoder="pil"; decoder="fast" '
                 "decodes at a reduced DCT scale and resamples with OpenCV, several times faster, within 30 dB PSNR "
-                "of it (packer bench measures both)")
+                "of it (docs: Training, 'Which decoder for what')")
     return ('decoder: "auto" enlarges with OpenCV in float32 here, within one level of decoder="pil"; '
             'decoder="fast" resamples with warpAffine (positions to 1/32 pixel), somewhat faster, within 30 dB PSNR '
-            "of it (packer bench measures both)")
+            "of it (docs: Training, 'Which decoder for what')")
 
 
 def _may_shrink(spec: Any, resize: int | tuple[int, int]) -> bool:

@@ -1,6 +1,6 @@
 """How far one decoder's pixels are from another's on the same samples: PSNR and the largest difference, the
-figures the docs and ``packer bench`` give for ``decoder="fast"`` against the default, and the default against
-``decoder="pil"`` (torchvision's Pillow pipeline). No torch: the decodes go through
+figures the docs give (``benchmarks/decoder_fidelity.py``) for ``decoder="fast"`` against the default, and the
+default against ``decoder="pil"`` (torchvision's Pillow pipeline). No torch: the decodes go through
 :meth:`~packer.reading.decoding.Decoding.decode_array`.
 """
 

@@ -6,11 +6,14 @@ that OpenCV's kernel now makes."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from support.packed import FORMATS, hwc
 
 import packer
+from packer.reading.fidelity import compare
 
 # name: (pack options, read-time geometry)
 CASES = {
@@ -80,3 +83,22 @@ def test_default_within_one_level_of_pil(packed, case):
     images = within_one_level(ds, pil)
     if ds.output_shape() is not None:
         assert_batches_equal(ds, images)
+
+
+def test_fidelity_measures_the_default_against_pil(packed):
+    """``reading.fidelity.compare``, which gives the docs' figures: the default against ``decoder="pil"`` where
+    the resize enlarges is at most one level apart and not identical everywhere (so at least 48.1 dB, the PSNR of
+    one level on every channel), ``"pil"`` against itself is identical, and no samples is an error."""
+    view = CASES["jpeg-max256"][1]
+    data = packed("lmdb", "jpeg-max256")
+    auto, pil = (packer.open_dataset(data, decoder=name, **view).decoding for name in ("auto", "pil"))
+    for decoding in (auto, pil):
+        decoding.reader.open()
+    indices = range(len(auto.reader))
+    got = compare(auto, pil, indices)
+    assert got.samples == len(indices) and got.max_diff == 1 and 0 < got.identical < 1
+    assert 48.1 < got.worst_psnr <= got.median_psnr < math.inf
+    same = compare(pil, pil, indices)
+    assert (same.worst_psnr, same.max_diff, same.identical) == (math.inf, 0, 1.0)
+    with pytest.raises(ValueError, match="no samples"):
+        compare(auto, pil, [])
