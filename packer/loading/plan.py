@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from ..reading.batches import BatchDataset
+from ..reading.dataset import PackedDataset
 from ..system import cores_per_rank
 from .fetchahead import blocked_reader
 from .tuned import applied_tuned
