@@ -136,7 +136,8 @@ def pack(table: Path, dest: Path, fmt: str) -> Path:
     if (dest / "manifest.json").exists():
         return dest
     cmd = [sys.executable, "-m", "packer", "pack", str(table), str(dest), "--format", fmt, "--max-size",
-           str(MAX_SIZE), "--quiet", "--overwrite"]
+           str(MAX_SIZE), "--quiet", "--overwrite",
+           "--root", "/"]  # the tables' paths are absolute: the photos of --source and the masks made here
     print("packing:", shlex.join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True, cwd=REPO)
     return dest
