@@ -35,9 +35,9 @@ from ..arguments import parse_bytes
 from ..errors import UsageError
 from ..manifest import read_local_manifest
 from ..system import default_cache_dir
+from .advice import PAGE, advise
 from .layout import LocalSource
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DROP_EVERY = 256 << 10  # an uncached read drops what it read from the page cache this often (whole pages)
 READ_AHEAD_STEP = 128 << 10  # bytes a read-ahead advises at a time: within the kernel's smallest window
 
@@ -53,18 +53,6 @@ def parse_page_budget(page_budget: int | str | None) -> int | None:
         raise UsageError(f"page_budget: {exc}") from None
 
 
-def advise(fd: int, start: int, end: int, advice_name: str) -> None:
-    """``posix_fadvise`` of bytes ``[start, end)`` of ``fd``, widened to whole pages (the kernel drops only the
-    pages a range covers whole); nothing where the call or ``advice_name`` does not exist."""
-    advice = getattr(os, advice_name, None)
-    if advice is None or not hasattr(os, "posix_fadvise") or end <= start:
-        return
-    low = start - start % _PAGE
-    high = -(-end // _PAGE) * _PAGE
-    with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it still reads
-        os.posix_fadvise(fd, low, high - low, advice)
-
-
 def read_uncached(path: Path, start: int, end: int) -> bytearray:
     """Bytes ``[start, end)`` of ``path`` (fewer where it ends first), read into this process's memory without
     kernel read-ahead past them, and advised out of the page cache ``DROP_EVERY`` bytes at a time as they are read
@@ -76,7 +64,7 @@ def read_uncached(path: Path, start: int, end: int) -> bytearray:
         data = bytearray(max(0, end - start))
         view, done = memoryview(data), 0
         while done < len(data):
-            step = DROP_EVERY - (start + done) % _PAGE  # ends on a page: the next read's first page is not dropped
+            step = DROP_EVERY - (start + done) % PAGE  # ends on a page: the next read's first page is not dropped
             got = _pread_into(fd, view[done:done + step], start + done)
             if got == 0:
                 break
@@ -114,7 +102,7 @@ def _cached_pages(fd: int, start: int, end: int) -> tuple[int, np.ndarray] | Non
     whether it is in the page cache (read: mincore does not count a page whose read is still in flight); None
     where mincore cannot tell. A private map of the range is never written: mincore sees the file's cached pages."""
     mincore, st = _mincore(), os.fstat(fd)
-    low, end = start - start % _PAGE, min(end, st.st_size)
+    low, end = start - start % PAGE, min(end, st.st_size)
     if mincore is None or end <= start or not _may_see_pages(fd, st):
         return None
     try:
@@ -122,7 +110,7 @@ def _cached_pages(fd: int, start: int, end: int) -> tuple[int, np.ndarray] | Non
     except (OSError, ValueError):
         return None
     try:
-        vec = (ctypes.c_ubyte * -(-(end - low) // _PAGE))()
+        vec = (ctypes.c_ubyte * -(-(end - low) // PAGE))()
         window = (ctypes.c_char * (end - low)).from_buffer(mapped)
         try:
             if mincore(ctypes.addressof(window), end - low, vec) != 0:
@@ -151,19 +139,19 @@ def read_ahead(fd: int, start: int, end: int) -> None:
     (:func:`_no_readahead`): the byte reads then bring in no page beyond their own."""
     if not hasattr(os, "posix_fadvise"):
         return  # no advice (macOS): the readers read the block themselves
-    low, end = start - start % _PAGE, min(end, os.fstat(fd).st_size)
-    missing = np.arange(max(0, -(-(end - low) // _PAGE)))  # every page, the first time
+    low, end = start - start % PAGE, min(end, os.fstat(fd).st_size)
+    missing = np.arange(max(0, -(-(end - low) // PAGE)))  # every page, the first time
     for _ in range(3):
         if not len(missing):
             return
         runs = np.split(missing, np.flatnonzero(np.diff(missing) != 1) + 1)
-        per_step = READ_AHEAD_STEP // _PAGE
+        per_step = READ_AHEAD_STEP // PAGE
         steps = [(int(run[i]), int(run[min(i + per_step, len(run)) - 1])) for run in runs
                  for i in range(0, len(run), per_step)]
         for first, last in steps:
-            advise(fd, low + first * _PAGE, low + (last + 1) * _PAGE, "POSIX_FADV_WILLNEED")
+            advise(fd, low + first * PAGE, low + (last + 1) * PAGE, "POSIX_FADV_WILLNEED")
         for _, last in steps:
-            os.pread(fd, 1, low + last * _PAGE)
+            os.pread(fd, 1, low + last * PAGE)
         found = _cached_pages(fd, start, end)
         if found is None:
             return
@@ -279,8 +267,10 @@ class BlockedLocal(NamedTuple):
         return self.layouts / f"layout-{digest[:24]}.npz"
 
 
-def _layout_folder(cache_dir: str | os.PathLike | None) -> Path:
-    """``CACHE/layouts`` (created), else a temporary folder where the cache folder cannot be written."""
+def layout_folder(cache_dir: str | os.PathLike | None) -> Path:
+    """``CACHE/layouts`` (created), else a temporary folder where the cache folder cannot be written: where what
+    packer derives from a local dataset's files is kept (layouts, an older LMDB dataset's index), never in the
+    dataset's own folder."""
     folder = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "layouts"
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -302,7 +292,7 @@ def open_local(root: str | os.PathLike, manifest: dict, page_budget: int,
     if total <= page_budget:
         return None
     return BlockedLocal(os.fspath(root), manifest, Path(root), UncachedSource(root), LocalBlocks(root), page_budget,
-                        total, _layout_folder(cache_dir))
+                        total, layout_folder(cache_dir))
 
 
 def open_paged(root: str | os.PathLike, page_budget: int | str, cache_dir: str | os.PathLike | None = None

@@ -170,6 +170,21 @@ class PartedReader(Reader):
         p, local = self.locate(index)
         return self.readers[p].stored_array(local, sample)
 
+    def class_counts(self) -> np.ndarray:
+        """Each part's counts (each from its own labels' index), added up."""
+        self.validate()
+        counts = np.zeros(len(self.classes), np.int64)
+        for reader in self.readers:
+            counts += reader.class_counts()
+        return counts
+
+    def stored_sizes(self) -> np.ndarray | None:
+        """Each part's stored sizes, end to end (None when a part's format does not know them)."""
+        sizes = [reader.stored_sizes() for reader in self.readers]
+        if any(s is None for s in sizes):
+            return None
+        return np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+
     def blocks(self, target_bytes: int) -> np.ndarray:
         """Each part's blocks, placed at its first index: no block straddles two parts."""
         if self._count == 0:

@@ -556,7 +556,7 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
         seed: the augmentation seed (an int from 0 to 2**63-1); not the sample order's, which is the loader's.
         fields: the fields to give, by name, as a tuple in that order (``("image", "caption")``); default
             ``(image, label)`` for an image-and-class dataset, else a dict of every field (``ds.fields``).
-        readahead: LMDB only: the OS readahead on the data file (default on).
+        readahead: LMDB only: each read has the kernel read its records ahead, exactly (default on).
         locking: HDF5 only: HDF5's file locking (default off).
         storage_options: for a URL, the fsspec filesystem's options (credentials, endpoint).
         cache_dir: for a URL, the cache folder (default ``PACKER_CACHE_DIR``, else ``~/.cache/packer``).

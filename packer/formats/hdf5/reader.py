@@ -3,6 +3,7 @@ read a block at a time by ranges."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from ...errors import CorruptDataError, PackerError
 from ...fields import Field
+from ..advice import random_access, will_need
 from ..base import Reader, Sample, blocks_by_size
 from ..identity import changed_error, check_unchanged, file_id
 from ..layout import Layout, RangeSource, join_rows
@@ -19,19 +21,24 @@ from .ranges import RangeFile, check_offsets, extent, read_arrays
 FILENAME = "data.h5"
 
 
-def _memmap(file_map: np.ndarray, dataset: h5py.Dataset) -> np.ndarray:
-    """A read-only view of a contiguous dataset in ``file_map`` (the whole file, mapped once: one descriptor
-    however many datasets, and a table may have a thousand fields), or its values read into memory if it is not
-    contiguous."""
+def _offset(dataset: h5py.Dataset) -> int | None:
+    """Where a contiguous dataset starts in its file; None for one stored otherwise (chunked, compressed)."""
     offset = dataset.id.get_offset()
-    if offset is None or dataset.chunks is not None or dataset.compression is not None:
+    return None if dataset.chunks is not None or dataset.compression is not None else offset
+
+
+def _memmap(mapped: mmap.mmap, dataset: h5py.Dataset) -> np.ndarray:
+    """A read-only view of a contiguous dataset in ``mapped`` (the whole file's map), or its values read into
+    memory if it is not one."""
+    offset = _offset(dataset)
+    if offset is None:
         return dataset[()]
     if dataset.size == 0:
         return np.zeros(dataset.shape, dataset.dtype)
-    if offset + dataset.size * dataset.dtype.itemsize > len(file_map):
+    if offset + dataset.size * dataset.dtype.itemsize > len(mapped):
         raise ValueError(f"dataset {dataset.name} runs past the end of the file")
-    # a plain ndarray over the map: indexing a np.memmap subclass costs several times more per call
-    return np.ndarray(dataset.shape, dataset.dtype, buffer=file_map, offset=offset)
+    # a plain ndarray (np.frombuffer): indexing a np.memmap subclass costs several times more per call
+    return np.frombuffer(mapped, dataset.dtype, dataset.size, offset).reshape(dataset.shape)
 
 
 def _sample(index: int, payload: memoryview, labels: np.ndarray, shapes: np.ndarray, crcs: np.ndarray) -> Sample:
@@ -75,7 +82,7 @@ class Hdf5Reader(Reader):
     through h5py. ``locking=False`` (the default) opens without HDF5 file locks, which fail on many network
     filesystems; the file is never written after packing."""
 
-    HANDLES = ("file", "file_map", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
+    HANDLES = ("file", "mapped", "images", "offsets", "shapes", "labels", "crcs", "field_maps", "fields_crcs")
 
     def __init__(self, root, manifest: dict | None = None, locking: bool = False):
         super().__init__(root, manifest)
@@ -85,12 +92,13 @@ class Hdf5Reader(Reader):
         # this process's handles (HANDLES), None until _open(): Any, as the reads that come after it cannot be
         # told apart from the unopened state by their type; the h5py File and numpy maps of its arrays
         self.file: Any = None
-        self.file_map: Any = None  # the whole file mapped once: every array below is a view of it
         self.images: Any = None
         self.offsets: Any = None  # None once opened too: fixed-size raw images
         self.shapes: Any = None
         self.labels: Any = None
         self.crcs: Any = None
+        self.mapped: mmap.mmap | None = None  # the whole file, mapped once per process
+        self._blob: int | None = None  # where the images dataset starts in the file (None: not mapped)
         self.field_maps: Any = None  # list[tuple[np.ndarray, np.ndarray | None]]
         self.fields_crcs: Any = None
         self._file_id = file_id(self.path)  # the file the manifest just read describes
@@ -157,14 +165,21 @@ class Hdf5Reader(Reader):
             check_unchanged(self.path, recorded, now)
         try:
             self.file = h5py.File(self.path, "r", locking=self.locking)
-            self.file_map = np.memmap(self.path, np.uint8, mode="r").view(np.ndarray)
-            self.images = _memmap(self.file_map, self.file["images"])
-            self.offsets = _memmap(self.file_map, self.file["offsets"]) if "offsets" in self.file else None
-            self.shapes = _memmap(self.file_map, self.file["shapes"])
-            self.labels = _memmap(self.file_map, self.file["labels"])
-            self.crcs = _memmap(self.file_map, self.file["crc32"])
+            with open(self.path, "rb") as f:
+                self.mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            images = self.file["images"]
+            self.images = _memmap(self.mapped, images)
+            # read a few samples at a time, at random: a fault reads its own page (not the kernel's window around
+            # it, which would reach into the images), each read has the kernel read its samples' bytes ahead
+            # (_read_ahead), and a whole array is read ahead before it is used whole (_whole)
+            random_access(self.mapped)
+            self._blob = _offset(images)
+            self.offsets = _memmap(self.mapped, self.file["offsets"]) if "offsets" in self.file else None
+            self.shapes = _memmap(self.mapped, self.file["shapes"])
+            self.labels = _memmap(self.mapped, self.file["labels"])
+            self.crcs = _memmap(self.mapped, self.file["crc32"])
             self.field_maps = [self._field_map(field) for field in self.extra_fields]
-            self.fields_crcs = _memmap(self.file_map, self.file["fields_crc32"]) if self.extra_fields else None
+            self.fields_crcs = _memmap(self.mapped, self.file["fields_crc32"]) if self.extra_fields else None
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
         if file_id(self.path) != recorded:  # replaced while it was being opened
@@ -172,6 +187,33 @@ class Hdf5Reader(Reader):
         if len(self.labels) != self._count:
             raise CorruptDataError(f"{self.path}: holds {len(self.labels)} samples, the manifest says "
                                    f"{self._count}; run `packer verify`")
+
+    def _ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte ranges of samples ``indices`` in the file (their images)."""
+        blob = self._blob or 0
+        if self.offsets is None:
+            row = self.images[0].nbytes if self._count else 0
+            start = blob + indices * row
+            return start, start + row
+        return blob + self.offsets[indices].astype(np.int64), blob + self.offsets[indices + 1].astype(np.int64)
+
+    def _whole(self, array: np.ndarray) -> np.ndarray:
+        """``array``, its bytes read ahead in one go first where it is a view of the map (a fault reads a page)."""
+        if self.mapped is not None and array.nbytes and len(self.mapped):
+            start = array.__array_interface__["data"][0] - np.frombuffer(self.mapped, np.uint8, 1).ctypes.data
+            if 0 <= start < len(self.mapped):
+                will_need(np.array([start]), np.array([start + array.nbytes]), mapped=self.mapped)
+        return array
+
+    def _read_ahead(self, indices: list[int]) -> None:
+        """Have the kernel read these samples' images now, exactly their bytes (the map reads none around)."""
+        if self._blob is not None and self.mapped is not None:  # mapped, not read into memory
+            will_need(*self._ranges(np.asarray(indices, np.int64)), mapped=self.mapped)
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        """:meth:`read` of a batch: every image's read started at once, then each sliced."""
+        self._read_ahead(indices)
+        return [self.read(i) for i in indices]
 
     def read(self, index: int) -> Sample:
         if self.offsets is None:
@@ -187,14 +229,14 @@ class Hdf5Reader(Reader):
         """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
         node = self.file[f"fields/{field.name}"]
         if isinstance(node, h5py.Dataset):
-            values = _memmap(self.file_map, node)
+            values = _memmap(self.mapped, node)
             if len(values) != self._count:
                 raise ValueError(f"fields/{field.name} holds {len(values)} rows, not {self._count}")
             return values, None
-        offsets = _memmap(self.file_map, node["offsets"])
+        offsets = _memmap(self.mapped, node["offsets"])
         if len(offsets) != self._count + 1:
             raise ValueError(f"fields/{field.name}/offsets holds {len(offsets)} rows, not {self._count + 1}")
-        return _memmap(self.file_map, node["values"]), offsets
+        return _memmap(self.mapped, node["values"]), offsets
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         where = self.describe(index)
@@ -324,19 +366,28 @@ class Hdf5Reader(Reader):
         if self.offsets is not None:
             return None
         images = self.images
+        self._read_ahead(indices)
         for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
             out[j] = images[i]
         return self.labels[indices]
 
-    def blocks(self, target_bytes: int) -> np.ndarray:
-        """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
+    def stored_sizes(self) -> np.ndarray:
+        """Each sample's image bytes: from the offsets, or the fixed size of a raw image."""
         self.open()
         sizes: np.ndarray
         if self.offsets is None:
-            sizes = np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
-        else:
-            sizes = np.diff(np.asarray(self.offsets, dtype=np.int64))
-        return blocks_by_size(sizes, target_bytes)
+            return np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
+        return np.diff(np.asarray(self._whole(self.offsets), dtype=np.int64))
+
+    def class_counts(self) -> np.ndarray:
+        """From the labels dataset, without touching an image."""
+        self.open()
+        labels = np.asarray(self._whole(self.labels), dtype=np.int64)
+        return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
+
+    def blocks(self, target_bytes: int) -> np.ndarray:
+        """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
+        return blocks_by_size(self.stored_sizes(), target_bytes)
 
     def relpath(self, index: int) -> str:
         self.open()

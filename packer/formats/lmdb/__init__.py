@@ -20,6 +20,20 @@ dtype. A dataset with fields beyond the image and its class (the manifest's ``fi
 class): a uint32 crc32 of them (:func:`packer.fields.fields_crc32`), a uint32 count n, n uint32 lengths, then
 the n values end to end (their bytes as :mod:`packer.fields` stores them). Plain py-lmdb reads it:
 ``lmdb.open(DEST, readonly=True, lock=False)``.
+
+Beside ``data.mdb``, the label-and-size index ``lmdb_index.npy`` (listed in the manifest's ``files`` with its
+size and sha256, like ``data.mdb``; no LMDB reader needs it) is a NumPy ``.npy`` file of one little-endian
+structured row a record, row ``i`` for key ``i`` (:mod:`.index`):
+
+    field   type  what
+    label   <i4   the record header's label (-1: none)
+    size    <u4   the record header's payload length in bytes (the stored image)
+    offset  <u8   where the record's value starts in data.mdb, in bytes (its header's first byte)
+    record  <u4   the value's length in bytes (header, path, payload and fields)
+
+``packer info``, class counts, stored sizes and blocks read it instead of the records, and each read has the
+kernel read exactly ``offset .. offset + record`` ahead. A dataset packed before the index existed is scanned once
+for it (:func:`.index.cached_index`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The LMDB reader: one environment per process and path, shared by the readers of that path, records parsed
-without copying, checked against the manifest, and read a block at a time by ranges."""
+without copying, checked against the manifest, each batch's records read ahead exactly (their ranges from the
+label-and-size index, :mod:`.index`), and read a block at a time by ranges."""
 
 from __future__ import annotations
 
@@ -8,28 +9,36 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import lmdb
 import numpy as np
 
 from ...errors import CorruptDataError, UsageError
 from ...fields import Field
+from ..advice import will_need
 from ..base import Reader, Sample, blocks_by_size
 from ..identity import FileId, changed_error, check_unchanged, file_id
 from ..layout import Layout, RangeSource
+from .index import INDEX, cached_index, load_index, scan_index
 from .pages import record_ranges
 from .records import KEY_DIGITS, key, parse_record, record_fields, unpack_record
 
 
 class _SharedEnv:
-    """An environment this process opened (or inherited at a fork), and the readers that read it."""
+    """An environment this process opened (or inherited at a fork), the data file opened once more for read
+    advice (:func:`~packer.formats.advice.will_need`), and the readers that read it."""
 
-    def __init__(self, env: lmdb.Environment, path: Path):
+    def __init__(self, env: lmdb.Environment, path: Path, advice: BinaryIO):
         self.env = env
         self.path = path
+        self.advice = advice
         self.pid = os.getpid()
         self.users: weakref.WeakSet = weakref.WeakSet()
+
+    def close(self) -> None:
+        self.env.close()
+        self.advice.close()
 
 
 # by the (st_dev, st_ino) of data.mdb: py-lmdb refuses to open the same file twice in a process, and a DEST
@@ -50,7 +59,7 @@ def close_environments() -> None:
     py-lmdb refuses to open the same files a second time in one process anyway."""
     global _generation
     for shared in _ENVS.values():
-        shared.env.close()
+        shared.close()
     _ENVS.clear()
     _generation += 1
 
@@ -73,11 +82,11 @@ def _close_unused() -> None:
     for env_key, shared in list(_ENVS.items()):
         now = file_id(shared.path)
         if shared.pid == os.getpid() and not shared.users and (now is None or (now.dev, now.ino) != env_key):
-            shared.env.close()
+            shared.close()
             del _ENVS[env_key]
 
 
-def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbReader) -> lmdb.Environment:
+def _shared_env(root: Path, recorded: FileId, user: LmdbReader) -> _SharedEnv:
     """The environment of the data file noted as ``recorded``: this process's (or the one it inherited), shared
     by every reader of that file (read-only, so sharing is safe), else opened now, after checking that the
     file at the path is still that one. Opened under a lock: two threads opening the same dataset at once
@@ -89,16 +98,24 @@ def _shared_env(root: Path, recorded: FileId, readahead: bool, user: LmdbReader)
         if shared is None:
             _close_unused()
             try:
-                env = lmdb.open(str(root), readonly=True, lock=False, readahead=readahead, meminit=False,
+                # readahead=False: the map is advised for random access (a fault reads its own page, not the
+                # kernel's read-ahead window around it); the reader advises each batch's records instead
+                env = lmdb.open(str(root), readonly=True, lock=False, readahead=False, meminit=False,
                                 max_spare_txns=1, subdir=True)
             except lmdb.Error as exc:
                 raise CorruptDataError(f"{path}: cannot open LMDB ({exc}); run `packer verify`") from None
-            if file_id(path) != recorded:  # replaced between the check and the open
+            try:
+                advice = open(path, "rb", buffering=0)  # noqa: SIM115 - closed with the environment
+            except OSError as exc:
                 env.close()
+                raise CorruptDataError(f"{path}: cannot read ({exc.strerror}); run `packer verify`") from None
+            if file_id(path) != recorded or FileId.of(os.fstat(advice.fileno())) != recorded:  # replaced meanwhile
+                env.close()
+                advice.close()
                 raise changed_error(path)
-            shared = _ENVS[key] = _SharedEnv(env, path)
+            shared = _ENVS[key] = _SharedEnv(env, path, advice)
         shared.users.add(user)
-        return shared.env
+        return shared
 
 
 class LmdbReader(Reader):
@@ -109,11 +126,18 @@ class LmdbReader(Reader):
     file: a new dataset opens it, an open one (and its forked workers) keeps reading its own, and one whose file
     was replaced before its first read refuses (see :mod:`packer.formats.identity`).
 
-    ``readahead`` (default True) lets the OS read ahead in the map. Records are whole images, tens of KB and
-    more, so without it a cold read faults them in one 4 KB page at a time, far slower than the folder on a
-    cold cache (docs/benchmarks.md); turn it off only for records much smaller than a page."""
+    ``readahead`` (default True) has the kernel read each record a read asks for ahead, exactly its bytes
+    (its range from the index, :mod:`.index`; :func:`~packer.formats.advice.will_need`), all of a batch's at
+    once. Records are whole images, tens of KB and more, so without it a cold read faults them in one 4 KB page
+    at a time, far slower than the folder on a cold cache (docs/benchmarks.md); turn it off only for records
+    much smaller than a page. Either way nothing around a record is read: the map is advised for random access,
+    so a cold first batch reads its own records, not the kernel's read-ahead window around each.
 
-    HANDLES = ("env", "txn")
+    Labels, stored sizes and blocks come from the label-and-size index (``lmdb_index.npy``; for a dataset packed
+    before it, a scan made once and kept in the packer cache folder: :func:`~.index.cached_index`), never from
+    the records."""
+
+    HANDLES = ("env", "txn", "_rows", "_advice")
 
     @classmethod
     def close_process_handles(cls) -> None:
@@ -126,8 +150,13 @@ class LmdbReader(Reader):
         self._count = int(self.manifest["count"])
         self.env: Any = None  # this process's lmdb Environment and read transaction (HANDLES), None until _open()
         self.txn: Any = None
+        self._rows: np.ndarray | None = None  # the label-and-size index, mapped on first use
+        self._advice: int | None = None  # this process's descriptor of data.mdb for read advice
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
+        listed = {e.get("path") for e in self.manifest.get("files", []) if isinstance(e, dict)}
+        self._index_id = file_id(self.root / INDEX) if INDEX in listed else None  # None: packed before the index
+        self._has_index = INDEX in listed
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
 
     def _check_size(self, now: FileId) -> None:
@@ -149,7 +178,7 @@ class LmdbReader(Reader):
             return  # missing: opening says so, naming the file
         check_unchanged(path, recorded, now)  # replaced since the manifest was read
         self._check_size(now)
-        env = _shared_env(self.root, recorded, self.readahead, self)
+        env = _shared_env(self.root, recorded, self).env
         with env.begin(buffers=True) as txn:
             entries = txn.stat()["entries"]
             if entries != self._count:
@@ -164,6 +193,20 @@ class LmdbReader(Reader):
                 sample, _ = unpack_record(cursor.value(), self.describe(index))
                 self.check_labels(self.describe(index), np.array([sample.label]))
                 self.check_shapes(self.describe(index), np.array([sample.shape]))
+        self.check_labels(self.root / INDEX, np.asarray(self.index_rows()["label"]))
+
+    def index_rows(self) -> np.ndarray:
+        """The label-and-size index, one row a record (:data:`.index.INDEX_DTYPE`): ``lmdb_index.npy``, mapped;
+        for a dataset packed before it, the scan :func:`~.index.cached_index` keeps (made once, said on stderr)."""
+        if self._rows is None:
+            path = self.root / INDEX
+            if not self._has_index:
+                self._rows = cached_index(self.root, self.manifest)
+            else:
+                if self._index_id is not None:
+                    check_unchanged(path, self._index_id, file_id(path))  # replaced since the manifest was read
+                self._rows = load_index(path, self._count)
+        return self._rows
 
     def __len__(self) -> int:
         self.validate()
@@ -189,7 +232,10 @@ class LmdbReader(Reader):
             self._check_size(now)
         # else: a file this process already reads (a forked worker, a dataset opened before DEST was repacked)
         assert recorded is not None  # when it is None, so is now: refused above
-        self.env = _shared_env(self.root, recorded, self.readahead, self)
+        shared = _shared_env(self.root, recorded, self)
+        self.env, self._advice = shared.env, shared.advice.fileno()
+        if self.readahead:
+            self.index_rows()
         self.txn = self.env.begin(buffers=True)
         self._generation = _generation
         entries = self.env.stat()["entries"]
@@ -214,12 +260,28 @@ class LmdbReader(Reader):
     def _get(self, index: int) -> tuple[Sample, str]:
         return unpack_record(self._value(index), self.describe(index))
 
-    def read(self, index: int) -> Sample:
+    def _read_ahead(self, indices: list[int] | int) -> None:
+        """Have the kernel read these records now, exactly their bytes (with ``readahead``)."""
+        if self.readahead:
+            rows = self.index_rows()[np.asarray(indices, np.int64).reshape(-1)]
+            start = rows["offset"].astype(np.int64)
+            will_need(start, start + rows["record"], fd=self._advice)
+
+    def _parsed(self, index: int) -> Sample:
         # the hot path: check the header and slice the payload, without decoding the path or naming the sample
         sample = parse_record(self._value(index), lambda: self.describe(index))[0]
         if not self.label_low <= sample.label < self.label_high:
             self.check_labels(self.describe(index), np.array([sample.label]))
         return sample
+
+    def read(self, index: int) -> Sample:
+        self._read_ahead(index)
+        return self._parsed(index)
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        """:meth:`read` of a batch: every record's read started at once, then each parsed."""
+        self._read_ahead(indices)
+        return [self._parsed(i) for i in indices]
 
     def _fields(self, index: int) -> tuple[tuple[memoryview, ...], int]:
         return record_fields(self._value(index), self.describe(index))
@@ -279,11 +341,20 @@ class LmdbReader(Reader):
 
     def blocks(self, target_bytes: int) -> np.ndarray:
         """Index ranges of about ``target_bytes`` of records: records are written in index order, so their
-        values lie in the file roughly in that order. The sizes come from the B-tree's leaves (a large value's
-        own pages are not read)."""
-        self.open()
-        sizes = np.fromiter((len(value) for _, value in self.txn.cursor()), np.int64, self._count)
-        return blocks_by_size(sizes, target_bytes)
+        values lie in the file roughly in that order. The sizes come from the index (no record is read)."""
+        self.validate()
+        return blocks_by_size(np.asarray(self.index_rows()["record"], np.int64), target_bytes)
+
+    def class_counts(self) -> np.ndarray:
+        """From the index's labels, without reading a record."""
+        self.validate()
+        labels = np.asarray(self.index_rows()["label"], np.int64)
+        return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
+
+    def stored_sizes(self) -> np.ndarray:
+        """Each record's payload bytes, from the index."""
+        self.validate()
+        return np.asarray(self.index_rows()["size"], np.int64)
 
     def relpath(self, index: int) -> str:
         self.open()
@@ -301,3 +372,20 @@ class LmdbReader(Reader):
         if entries != count:
             return [f"{self.root / 'data.mdb'}: {entries} records, the manifest says {count}"]
         return []
+
+    def member_problems(self, deep: bool, damaged_files: set[str], key_offset: int = 0) -> list[str]:
+        """The index against the records (with ``deep``, or when the index is damaged): every row's label, sizes
+        and place as a scan of ``data.mdb`` finds them."""
+        if not self._has_index or not (deep or INDEX in damaged_files):
+            return []
+        try:
+            found = scan_index(self.root, self._count)
+        except CorruptDataError as exc:
+            return [str(exc)]
+        rows = self.index_rows()
+        wrong = np.flatnonzero(np.asarray(rows) != found)
+        if not len(wrong):
+            return []
+        k = int(wrong[0])
+        return [f"{self.root / INDEX}: {len(wrong)} row(s) disagree with the records, the first for sample {k} "
+                f"(label {int(rows['label'][k])}, the record says {int(found['label'][k])}); re-pack"]

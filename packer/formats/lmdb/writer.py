@@ -1,5 +1,5 @@
 """The LMDB writer: records appended in key order, committed in batches whose end the journal records, the map
-grown as it fills."""
+grown as it fills; the label-and-size index (:mod:`.index`) written beside them at the end."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from ...errors import PackerError
 from ...images.transforms import Encoded
 from ...manifest import file_entry
 from ..base import Writer
+from .index import INDEX, save_index, scan_index
 from .records import key, pack_record
 
 
 class LmdbWriter(Writer):
     RESUMES_FROM = "its last committed transaction"
-    FILES = ("data.mdb", "lock.mdb")
+    FILES = ("data.mdb", "lock.mdb", INDEX, INDEX + ".*.tmp")
     COMMIT_BYTES = 64 << 20  # the pending records and the transaction's dirty pages: twice this at a commit
     COMMIT_SAMPLES = 2000
 
@@ -91,7 +92,10 @@ class LmdbWriter(Writer):
         lock = self.dest / "lock.mdb"
         if lock.exists():
             lock.unlink()  # readers open with lock=False; the lock file is only the writer's
-        return {"files": [file_entry(self.dest, "data.mdb")]}
+        # the labels and sizes info, class counts and blocks read, from the records just written (their pages
+        # mostly still cached): one scan, the one a dataset packed before the index gets once
+        save_index(self.dest / INDEX, scan_index(self.dest, self.count))
+        return {"files": [file_entry(self.dest, "data.mdb"), file_entry(self.dest, INDEX)]}
 
     def abort(self) -> None:
         self.env.close()

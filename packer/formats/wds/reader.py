@@ -18,6 +18,7 @@ import numpy as np
 from ...errors import CorruptDataError, ManifestError, PackerError, UsageError, warn
 from ...fields import PAIR_SCHEMA, Field, label_field
 from ...manifest import is_safe_relpath
+from ..advice import random_access, will_need
 from ..base import Reader, Sample, StreamSample, run_starts
 from ..identity import FileId, changed_error, check_unchanged, file_id
 from ..layout import Layout, RangeSource
@@ -267,6 +268,7 @@ class WdsReader(Reader):
                     now = FileId.of(os.fstat(f.fileno()))
                     check_unchanged(path, self._file_ids.get(path), now)
                     m = self.maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    random_access(m)  # a fault reads its own page: each read advises its samples' bytes
             except FileNotFoundError:
                 if self._file_ids.get(path) is not None:  # there when the manifest was read
                     raise changed_error(path) from None
@@ -274,6 +276,16 @@ class WdsReader(Reader):
             except (OSError, ValueError) as exc:
                 raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
         return m
+
+    def read_many(self, indices: list[int]) -> list[Sample]:
+        """:meth:`read` of a batch: the kernel first told to read every sample's bytes, exactly, all at once."""
+        rows = self.index[np.asarray(indices, np.int64)]
+        shards, start = rows["shard"], rows["offset"].astype(np.int64)
+        for shard in np.unique(shards).tolist():
+            if shard < len(self.shard_paths):
+                mine = shards == shard
+                will_need(start[mine], start[mine] + rows["size"][mine].astype(np.int64), mapped=self._map(shard))
+        return [self.read(i) for i in indices]
 
     def read(self, index: int) -> Sample:
         # one .item() for the whole row: a field at a time was a quarter of the read
