@@ -6,11 +6,14 @@ fetched and held (pinned in the cache), as many as fit in ``ahead`` of the large
 last block is often short: a WebDataset shard's tail), which the block size leaves room for: a batch needs its
 blocks until the caller has received it, or only until its worker has mapped them (packer's worker pool:
 :meth:`~packer.loading.workers.WorkerPool.mapped_batches`; torch's DataLoader workers: :class:`WorkerMaps`), and each
-block goes once no batch needs it. Once every block of the pass is fetched or held, it fetches the blocks the next
-pass starts with (``then``: the next epoch's first batches, as the sampler will make them unless told otherwise)
-and holds them to the pass's end, so that the next epoch's first batches do not wait on requests. Up to
-``FETCHERS`` of them are fetched at once, in the order they will be read, so that each request's latency overlaps
-the others' and the decoding, on threads the process keeps for every pass.
+block goes once no batch needs it. Once every block of the pass is fetched or held, it fetches the blocks of the
+next pass (``then``: the next epoch, as the sampler will make it from ``(seed, epoch)`` unless told otherwise), in
+the order that pass reads them, as far as the same bytes allow, and holds them to the pass's end, so that the next
+epoch starts on blocks already fetched: released last, they are the cache's most recently used objects, the last it
+evicts, and the next pass's thread holds them again first. Blocks are fetched several at once, in the
+order they will be read, so that each request's latency overlaps the others' and the decoding, on threads the
+process keeps for every pass: ``FETCHERS`` at first, then as many as a fetch's time at the rate the batches use
+blocks needs (:class:`_Pace`), up to what the bytes held allow.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
 one process fetch, the others wait). When the cache has no room the thread waits; it stops with the pass, when
 the caller drops the iterator, or when the loader starts another pass.
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import multiprocessing
 import multiprocessing.context
 import os
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -197,7 +202,7 @@ class FetchAhead:
         mapped: the first batches that no longer need their blocks in the cache (received, or their decoder has
             mapped every block they read: :meth:`packer.loading.workers.WorkerPool.mapped_batches`,
             :meth:`WorkerMaps.counter`; default: those received).
-        then: the next pass's first sample indices (called on the thread, once this pass's blocks are all
+        then: the next pass's sample indices, in order (called on the thread, once this pass's blocks are all
             fetched or held); None: nothing beyond this pass.
     """
 
@@ -207,7 +212,7 @@ class FetchAhead:
         sizes = np.asarray(reader.block_bytes(), dtype=np.int64)
         budget = max(0, ahead) * int(sizes.max(initial=0))
         self.stop_event = threading.Event()
-        self.fetchers = _Fetchers(reader.hold_block, min(FETCHERS, max(0, ahead)), self.stop_event)
+        self.fetchers = _Fetchers(reader.hold_block, max(1, ahead), self.stop_event)
         self.thread = threading.Thread(target=self._run, daemon=True, name="packer-fetch-ahead",
                                        args=(self.fetchers, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
@@ -228,11 +233,12 @@ class FetchAhead:
              then: Callable[[], np.ndarray] | None) -> None:
         sizes, budget = limits  # each block's bytes; the bytes held and fetched at most
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
+        pace = _Pace(fetchers.count, fetchers.most)
         passed = 0  # no batch needs the blocks of ``order`` before this one
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
                 room = True
-                for k, release in fetchers.done():
+                for k, release in fetchers.done(pace):
                     if release is None:  # no room in the cache now: try again later
                         room = False
                     else:
@@ -242,6 +248,7 @@ class FetchAhead:
                     held.pop(k)()
                 while passed < len(order) and last[passed] < frontier:
                     passed += 1
+                fetchers.count = pace.target(passed)
                 k = passed
                 pinned = int(sum(sizes[order[j]] for j in (*held, *fetchers.running)))
                 while room and fetchers.idle() and k < len(order):
@@ -266,6 +273,8 @@ class FetchAhead:
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
         finally:
+            # no pin outlives the pass (another loader on the same cache, a validation pass, needs the room); the
+            # next pass's blocks, released last, are the cache's most recently used: the last it evicts
             stop.set()
             for _, release in fetchers.finish():
                 if release is not None:
@@ -274,8 +283,31 @@ class FetchAhead:
                 release()
 
 
+class _Pace:
+    """How many fetches to keep in flight: enough to cover a fetch's time at the rate the pass's batches use
+    up blocks (Little's law: in flight = time a fetch takes x blocks used a second, and one more), never fewer
+    than ``start`` (a pass begins needing a window of blocks at once, before any rate shows) and at most
+    ``most`` (the blocks the fetch-ahead may hold: what the cache bound allows). Where fetches are the
+    bottleneck the rate follows them and the count grows by one at a time to ``most``; where the decoders
+    are, it settles at what hides the latency."""
+
+    def __init__(self, start: int, most: int):
+        self.start, self.most = start, most
+        self.seconds: float | None = None  # a fetch's time, averaged
+        self.began = time.monotonic()
+
+    def fetched(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+
+    def target(self, passed: int) -> int:
+        elapsed = time.monotonic() - self.began
+        if self.seconds is None or passed < 4 or elapsed <= 0:
+            return self.start
+        return min(self.most, max(self.start, math.ceil(self.seconds * passed / elapsed) + 1))
+
+
 def _next_blocks(reader: Any, then: Callable[[], list[int]] | None) -> Callable[[], np.ndarray] | None:
-    """The blocks of the next pass's first samples, in the order they are first read, as a call for the thread."""
+    """The blocks of the next pass's samples, in the order they are first read, as a call for the thread."""
     if then is None:
         return None
     return lambda: block_plan(reader.block_of(then()), 1)[0]
@@ -321,25 +353,28 @@ _FETCH_THREADS = _FetchThreads()
 
 
 class _Fetchers:
-    """One :class:`FetchAhead` pass's fetches: up to ``count`` blocks at once, on this process's fetch threads."""
+    """One :class:`FetchAhead` pass's fetches: up to ``count`` blocks at once (set as the pass goes, at most
+    ``most``), on this process's fetch threads."""
 
-    def __init__(self, hold: Callable[..., Callable[[], None] | None], count: int, stop: threading.Event):
-        self.hold, self.stop, self.count = hold, stop, max(1, count)
-        self.jobs = _FETCH_THREADS.want(self.count)
-        self.results: queue.SimpleQueue = queue.SimpleQueue()  # (position, release or None), or None: wake()
+    def __init__(self, hold: Callable[..., Callable[[], None] | None], most: int, stop: threading.Event):
+        self.hold, self.stop, self.most = hold, stop, max(1, most)
+        self.count = min(FETCHERS, self.most)
+        self.jobs = _FETCH_THREADS.want(self.most)
+        # (position, release or None, seconds), or None: wake()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.running: set[int] = set()  # positions being fetched, or fetched and not yet taken by done()
-        self._ready: list[tuple[int, Callable[[], None] | None]] = []  # results wait() took
+        self._ready: list[tuple[int, Callable[[], None] | None, float]] = []  # results wait() took
 
     def run(self, k: int, block: int) -> None:
         """Fetch and hold block ``block`` (position ``k``), on a fetch thread: its release, or None, to done()."""
-        release = None
+        release, began = None, time.monotonic()
         if not self.stop.is_set():
             try:
                 with _FORK_GATE.fetching():
                     release = self.hold(block, wait=False)
             except Exception:  # noqa: BLE001 - the reader fetches it itself when it needs it
                 release = None
-        self.results.put((k, release))
+        self.results.put((k, release, time.monotonic() - began))
 
     def start(self, k: int, block: int) -> None:
         self.running.add(k)
@@ -362,8 +397,9 @@ class _Fetchers:
         """End a :meth:`wait` now."""
         self.results.put(None)
 
-    def done(self) -> list[tuple[int, Callable[[], None] | None]]:
-        """The fetches finished since the last call: (position, release or None when there was no room)."""
+    def done(self, pace: _Pace | None = None) -> list[tuple[int, Callable[[], None] | None]]:
+        """The fetches finished since the last call: (position, release or None when there was no room); each
+        held block's time goes to ``pace``."""
         finished, self._ready = self._ready, []
         while True:
             try:
@@ -372,8 +408,12 @@ class _Fetchers:
                 break
             if result is not None:
                 finished.append(result)
-        self.running.difference_update(k for k, _ in finished)
-        return finished
+        self.running.difference_update(k for k, _, _ in finished)
+        if pace is not None:
+            for _, release, seconds in finished:
+                if release is not None:
+                    pace.fetched(seconds)
+        return [(k, release) for k, release, _ in finished]
 
     def finish(self) -> list[tuple[int, Callable[[], None] | None]]:
         """Wait for the fetches started (those not begun yet give None once ``stop`` is set) and return what
@@ -383,6 +423,6 @@ class _Fetchers:
             result = self.results.get()
             if result is not None:
                 self.running.discard(result[0])
-                finished.append(result)
-        _FETCH_THREADS.done_with(self.count)
+                finished.append(result[:2])
+        _FETCH_THREADS.done_with(self.most)
         return finished

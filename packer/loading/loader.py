@@ -147,10 +147,8 @@ class PrefetchLoader(DataLoader):
         if fetching:  # started after any worker forked: they hold none of it
             ahead = reader.fetch_ahead if self.fetch_ahead is None else self.fetch_ahead
             pool, following = self._worker_pool, epoch_pass.following()
-            first = self.batch_size * max(1, self.num_workers)  # the next epoch's first batch in each decoder
             self._fetching = FetchAhead(reader, indices, self.batch_size, self._received, counting, ahead,
-                                        pool.mapped_batches if pool is not None else mapped,
-                                        lambda: following.indices()[:first])
+                                        pool.mapped_batches if pool is not None else mapped, following.indices)
         return counting
 
     def _restart_untouched(self, sampler: ResumableSampler) -> None:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from packer.errors import CorruptDataError, RemoteError
 from packer.formats import Reader, get_format
 from packer.formats.blocked import block_budget
 from packer.formats.layout import LocalSource
-from packer.loading.fetchahead import WorkerMaps, block_plan
+from packer.loading.fetchahead import FETCHERS, WorkerMaps, block_plan
 from packer.loading.sampler import ResumableSampler
 from packer.remote.cache import Cache
 from packer.remote.fetch import STATS
@@ -575,5 +576,72 @@ def test_the_thread_fetches_several_blocks_at_once_behind_a_slow_link(packs, ser
         assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
         assert proxy.most_in_flight >= 3, proxy.most_in_flight
         assert fetch_ahead_threads() == []
+    finally:
+        proxy.stop()
+
+
+def block_gets(ds, served) -> dict[int, int]:
+    """GETs the server has answered so far for each block of ``ds`` (by its range)."""
+    reader = ds.reader
+    counts = {}
+    for block in range(len(reader.starts)):
+        relpath, start, end = reader.block_range(block)
+        key = (f"{urlsplit(reader.where).path}/{relpath}", f"bytes={start}-{end - 1}")
+        counts[block] = served.ranges[key]
+    return counts
+
+
+@pytest.mark.remote
+def test_across_epoch_boundaries_the_cache_stays_bound_and_no_block_is_fetched_twice_in_an_epoch(
+        packs, server, truth, tmp_path):
+    """Three epochs back to back through packer's pool, the cache sampled throughout, boundaries included (where
+    one pass holds the next one's first blocks, fetched ahead): it stays within its bound. In each epoch's
+    stretch of time every block is fetched once at most, or twice where the next epoch reads it among the first
+    blocks the fetch-ahead may hold (fetched ahead for that epoch); and the next epoch does not fetch those again."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    total = data_bytes(packs, fmt)
+    limit, cache = total // 8, tmp_path / "cache"
+    crops = pixel_table(packer.open_dataset(packs / fmt, center_crop=8), COUNT)
+    ds = open_blocked(f"{server.url}/{fmt}", cache, limit, center_crop=8)
+    loader = packer.make_loader(ds, batch_size=BATCH // 2, num_workers=WORKERS, shuffle="blocks", seed=9)
+    assert loader.plan.engine == "pool"
+    reader, sizes = ds.reader, ds.reader.block_bytes()
+    budget = reader.fetch_ahead * int(sizes.max())
+
+    def first_blocks(epoch_pass) -> set[int]:
+        """The blocks the fetch-ahead may fetch for ``epoch_pass`` before it starts: its first, within the budget."""
+        order = block_plan(reader.block_of(epoch_pass.indices()), 1)[0]
+        return set(order[np.cumsum(sizes[order]) <= budget].tolist())
+
+    counts = [block_gets(ds, server)]
+    ahead = []  # per epoch: its blocks that the epoch before may have fetched for it
+    with CachePoll(cache) as poll:
+        for _ in range(3):
+            following = loader.sampler.next_pass().following()
+            assert sorted(seen_indices(loader, crops)) == list(range(COUNT))
+            counts.append(block_gets(ds, server))
+            ahead.append(first_blocks(following))
+    assert poll.most <= limit + WORKERS * int(sizes.max()), (poll.most, limit)
+    fetched = [{b: counts[e + 1][b] - counts[e][b] for b in range(len(sizes))} for e in range(3)]
+    for epoch in range(3):
+        for block, times in fetched[epoch].items():
+            assert times <= 1 + (block in ahead[epoch]), (epoch, block, times)
+            if epoch and fetched[epoch - 1][block] == 2 and block not in ahead[epoch]:
+                assert times == 0, (epoch, block)  # fetched for this epoch by the one before: not again
+
+
+@pytest.mark.remote
+def test_behind_a_slower_link_more_blocks_are_fetched_at_once_up_to_what_the_fetch_ahead_may_hold(
+        packs, server, truth, tmp_path):
+    """How many fetches run at once follows a fetch's time at the rate the batches use blocks: behind 0.3 s a
+    request, with one reading thread that waits on them, more than the ``FETCHERS`` a pass starts with, and never
+    more than the blocks the fetch-ahead may hold (and the reading thread's own fetch)."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    proxy = fault_proxy(server.url, latency=0.3)
+    try:
+        ds = open_blocked(f"{proxy.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt) // 8)
+        loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle=True)
+        assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+        assert FETCHERS + 1 < proxy.most_in_flight <= ds.reader.fetch_ahead + 1, proxy.most_in_flight
     finally:
         proxy.stop()

@@ -43,12 +43,13 @@ def check_marked_remote() -> None:
 
 
 class Served:
-    """A server running on a thread; ``url``; ``requests`` counts ``(method, path)``, ``sent`` the body bytes
-    sent (a file server's); ``stop()``."""
+    """A server running on a thread; ``url``; ``requests`` counts ``(method, path)``, ``ranges`` a file server's
+    ranged GETs by ``(path, Range header)``, ``sent`` the body bytes sent (a file server's); ``stop()``."""
 
     def __init__(self, handler: type, **attrs):
         check_marked_remote()
         self.requests: collections.Counter = collections.Counter()
+        self.ranges: collections.Counter = collections.Counter()
         self.sent = 0
         self.lock = threading.Lock()
         self.latency = 0.0
@@ -60,9 +61,11 @@ class Served:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def count(self, method: str, path: str) -> None:
+    def count(self, method: str, path: str, ranged: str | None = None) -> None:
         with self.lock:
             self.requests[(method, path)] += 1
+            if ranged and method == "GET":
+                self.ranges[(path, ranged)] += 1
 
     def gets(self, suffix: str) -> int:
         """GET requests for paths ending with ``suffix``."""
@@ -96,7 +99,7 @@ class RangeFiles(http.server.BaseHTTPRequestHandler):
         self._answer(body=True)
 
     def _answer(self, body: bool) -> None:
-        self.served.count(self.command, self.path)
+        self.served.count(self.command, self.path, self.headers.get("Range"))
         path = self._file()
         if path is None:
             self.send_response(404)
