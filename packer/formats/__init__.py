@@ -30,19 +30,21 @@ __all__ = ["BlockedReader", "PartedReader", "Reader", "Sample", "StreamSample", 
            "writer_files"]
 
 
-def open_reader(root: str | os.PathLike, **options) -> Reader:
+def open_reader(root: str | os.PathLike, manifest: dict | None = None, **options) -> Reader:
     """The reader of the packed dataset in ``root``, as its ``manifest.json`` says: the format's reader, or a
     :class:`PartedReader` over them for a conversion made by several ranks.
 
     Args:
         root: the dataset folder (a local one: the public entry points resolve a URL into the cache first,
             see :func:`packer.remote.entry.local_dataset`).
+        manifest: ``root``'s manifest as the caller read it (default: read now); ``packer verify`` gives it
+            without the sha256 of the files it found damaged, so a reader reads them for it to name what differs.
         **options: the format reader's own options (LMDB's ``readahead``, HDF5's ``locking``).
 
     Returns:
         A :class:`Reader`, not yet open (each process opens its own handles on first use).
     """
-    manifest = read_local_manifest(root)
+    manifest = read_local_manifest(root) if manifest is None else manifest
     try:
         _, reader = get_format(manifest["format"])
     except ValueError as exc:

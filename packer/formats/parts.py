@@ -181,9 +181,10 @@ class PartedReader(Reader):
     def stored_sizes(self) -> np.ndarray | None:
         """Each part's stored sizes, end to end (None when a part's format does not know them)."""
         sizes = [reader.stored_sizes() for reader in self.readers]
-        if any(s is None for s in sizes):
+        known = [s for s in sizes if s is not None]
+        if len(known) < len(sizes):
             return None
-        return np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+        return np.concatenate(known) if known else np.zeros(0, np.int64)
 
     def blocks(self, target_bytes: int) -> np.ndarray:
         """Each part's blocks, placed at its first index: no block straddles two parts."""

@@ -577,8 +577,8 @@ def open_dataset(root: str | os.PathLike, *, transform: Callable | None = None,
     for name, flag in (("decode", decode), ("verify", verify)):
         arguments.flag(name, flag)
     arguments.int_at_least("threads", threads, 1)
-    options = {name: arguments.flag(name, value) for name, value in (("readahead", readahead), ("locking", locking))
-               if value is not None}
+    options: dict[str, Any] = {n: arguments.flag(n, v) for n, v in (("readahead", readahead), ("locking", locking))
+               if v is not None}
     from ..remote.entry import (
         open_remote,  # a URL is resolved here into a local folder, or blocks when over cache_limit
     )

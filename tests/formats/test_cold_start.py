@@ -121,6 +121,10 @@ def test_lmdb_index_holds_each_record_s_label_size_and_place(packs):
     for i in (0, 1, 299, COUNT - 1):
         payload, label = ds[i]
         assert rows["label"][i] == label and rows["size"][i] == payload.nbytes == SIDE * SIDE * 3
+    counts = ds.reader.class_counts()
+    del ds, payload
+    gc.collect()
+    release_handles()  # py-lmdb opens a file once a process: packer's environment closed first
     # a plain py-lmdb reader: the values lie where the index says, and the index file does not bother it
     with lmdb.open(str(dest), readonly=True, lock=False) as env, env.begin(buffers=True) as txn:
         sizes = [len(value) for _, value in txn.cursor()]
@@ -129,7 +133,7 @@ def test_lmdb_index_holds_each_record_s_label_size_and_place(packs):
             at = int(rows["offset"][i])
             assert raw[at:at + int(rows["record"][i])] == bytes(txn.get(b"%010d" % i))
     assert rows["record"].tolist() == sizes
-    assert np.array_equal(ds.reader.class_counts(), np.bincount(rows["label"], minlength=3))
+    assert np.array_equal(counts, np.bincount(rows["label"], minlength=3))
 
 
 def test_lmdb_packed_before_the_index_is_scanned_once_and_kept_in_the_cache(packs, tmp_path):
@@ -151,6 +155,44 @@ def test_lmdb_packed_before_the_index_is_scanned_once_and_kept_in_the_cache(pack
     cached = list((tmp_path / "cache" / "layouts").glob("lmdb-index-*.npy"))
     assert len(cached) == 1 and np.array_equal(np.load(cached[0]), np.load(packs / "lmdb" / INDEX))
     assert not (old / INDEX).exists()  # the dataset's folder is left as it was
+
+
+def test_lmdb_packed_before_the_index_reads_the_same_samples_and_labels(packs, tmp_path, monkeypatch, capsys):
+    """An older dataset opens and trains as before: the same batches, labels and class counts as with an index,
+    and the scan is said once in a process however many readers open it."""
+    monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
+    old = tmp_path / "old"
+    shutil.copytree(packs / "lmdb", old)
+    data = json.loads((old / "manifest.json").read_text())
+    data["files"] = [e for e in data["files"] if e["path"] != INDEX]
+    (old / "manifest.json").write_text(json.dumps(data))
+    (old / INDEX).unlink()
+    indices = np.random.default_rng(3).choice(COUNT, BATCH, replace=False).tolist()
+    new = packer.open_dataset(packs / "lmdb", decode=False)
+    for _ in range(2):
+        ds = packer.open_dataset(old, decode=False)
+        for (payload, label), (want, want_label) in zip(ds.read_batch(indices), new.read_batch(indices), strict=True):
+            assert bytes(payload) == bytes(want) and label == want_label
+        assert np.array_equal(ds.reader.class_counts(), new.reader.class_counts())
+    assert capsys.readouterr().err.count("packed without an LMDB index") == 1
+
+
+def test_lmdb_index_whose_bytes_changed_is_refused_naming_it(packs, tmp_path):
+    """The index holds the labels that class counts and ``packer info`` give: a byte changed since packing (same
+    size) is caught by its sha256 in the manifest, a one-line error naming the file, before anything uses it."""
+    dest = tmp_path / "lmdb"
+    shutil.copytree(packs / "lmdb", dest)
+    raw = bytearray((dest / INDEX).read_bytes())
+    raw[-20] ^= 1  # the last row's label
+    (dest / INDEX).write_bytes(bytes(raw))
+    result = CliRunner().invoke(main, ["info", str(dest)])  # info still summarises; the counts are not shown
+    assert result.exit_code == 0, result.output
+    assert f"samples per class: unreadable ({dest / INDEX}: sha256 differs" in result.output, result.output
+    assert not re.search(r"^\s+total\s", result.output, re.M), result.output
+    ds = packer.open_dataset(dest)
+    with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs") as caught:
+        ds.read_batch([0, 1])
+    assert "\n" not in str(caught.value)
 
 
 def test_verify_deep_names_an_lmdb_index_that_disagrees_with_the_records(packs, tmp_path):

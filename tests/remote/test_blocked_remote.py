@@ -645,3 +645,49 @@ def test_behind_a_slower_link_more_blocks_are_fetched_at_once_up_to_what_the_fet
         assert FETCHERS + 1 < proxy.most_in_flight <= ds.reader.fetch_ahead + 1, proxy.most_in_flight
     finally:
         proxy.stop()
+
+
+def cached_blocks(packs: Path, fmt: str, ds, cache: Path) -> set[int]:
+    """The blocks of ``ds`` whose range the cache at ``cache`` holds now."""
+    entries = {e["path"]: e for e in packer.read_manifest(packs / fmt)["files"]}
+    found = set()
+    for block in range(len(ds.reader.starts)):
+        relpath, start, end = ds.reader.block_range(block)
+        entry = entries[relpath]
+        if Cache(cache).object_path(range_name(entry["sha256"], start, end, entry["bytes"])).exists():
+            found.add(block)
+    return found
+
+
+@pytest.mark.remote
+def test_the_next_epoch_s_first_blocks_are_fetched_ahead_as_far_as_the_budget_allows(packs, server, truth, tmp_path):
+    """Once an epoch's own blocks are all fetched or held, the fetch-ahead fetches the next epoch's, in the order
+    it reads them, as far as what it may hold allows (not only its first batch's): the next epoch starts on them
+    and fetches none of them again, and the cache stays within its bound."""
+    fmt = next(f for f in FORMATS if ranged(f))
+    limit, cache = data_bytes(packs, fmt) // 4, tmp_path / "cache"
+    ds = open_blocked(f"{server.url}/{fmt}", cache, limit)
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=0, shuffle="blocks", seed=3)
+    reader, sizes = ds.reader, ds.reader.block_bytes()
+    budget = reader.fetch_ahead * int(sizes.max())
+    this, following = loader.sampler.next_pass(), loader.sampler.next_pass().following()
+    last_batch = set(reader.block_of(this.indices()[-BATCH:]).tolist())  # held until the last batch is received
+    order = block_plan(reader.block_of(following.indices()), 1)[0]
+    room = budget - int(sizes[sorted(last_batch)].sum())
+    ahead = set(order[np.cumsum(sizes[order]) <= room].tolist())  # what the fetch-ahead may hold of them
+    first = set(reader.block_of(following.indices()[:BATCH]).tolist())
+    assert len(ahead - first) >= 2, (ahead, first)  # the budget holds more than the next epoch's first batch
+    with CachePoll(cache) as poll:
+        batches = iter(loader)
+        seen = seen_indices([next(batches) for _ in range(len(loader) - 1)], truth[fmt])
+        deadline = time.monotonic() + 60  # a bound on the wait, not a timing: the fetches finish long before
+        while not ahead <= cached_blocks(packs, fmt, ds, cache) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ahead <= cached_blocks(packs, fmt, ds, cache), ahead - cached_blocks(packs, fmt, ds, cache)
+        seen += seen_indices(batches, truth[fmt])
+        assert sorted(seen) == list(range(COUNT))
+        before = block_gets(ds, server)
+        assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+        after = block_gets(ds, server)
+    assert {b for b in ahead if after[b] > before[b]} == set()  # none of them fetched again
+    assert poll.most <= limit, (poll.most, limit)

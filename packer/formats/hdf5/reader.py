@@ -227,16 +227,17 @@ class Hdf5Reader(Reader):
 
     def _field_map(self, field: Field) -> tuple[np.ndarray, np.ndarray | None]:
         """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
-        node = self.file[f"fields/{field.name}"]
+        node, mapped = self.file[f"fields/{field.name}"], self.mapped
+        assert mapped is not None  # opened: the fields are mapped in _open
         if isinstance(node, h5py.Dataset):
-            values = _memmap(self.mapped, node)
+            values = _memmap(mapped, node)
             if len(values) != self._count:
                 raise ValueError(f"fields/{field.name} holds {len(values)} rows, not {self._count}")
             return values, None
-        offsets = _memmap(self.mapped, node["offsets"])
+        offsets = _memmap(mapped, node["offsets"])
         if len(offsets) != self._count + 1:
             raise ValueError(f"fields/{field.name}/offsets holds {len(offsets)} rows, not {self._count + 1}")
-        return _memmap(self.mapped, node["values"]), offsets
+        return _memmap(mapped, node["values"]), offsets
 
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         where = self.describe(index)
@@ -374,7 +375,6 @@ class Hdf5Reader(Reader):
     def stored_sizes(self) -> np.ndarray:
         """Each sample's image bytes: from the offsets, or the fixed size of a raw image."""
         self.open()
-        sizes: np.ndarray
         if self.offsets is None:
             return np.full(self._count, self.images[0].nbytes if self._count else 0, np.int64)
         return np.diff(np.asarray(self._whole(self.offsets), dtype=np.int64))

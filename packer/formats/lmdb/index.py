@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import CorruptDataError
+from ...manifest import sha256_file
 from ..layout import LocalSource
 from ..local_blocks import layout_folder
 from .pages import record_ranges
@@ -36,6 +37,7 @@ _HEADER_DTYPE = np.dtype([("magic", "S4"), ("label", "<i4"), ("crc", "<u4"), ("h
                           ("channels", "u1"), ("reserved", "u1"), ("path", "<u2"), ("size", "<u4")])
 _CHUNK = 1 << 16  # headers gathered at a time: bounds the scan's memory
 _SAID: set[str] = set()
+_CHECKED: set[tuple] = set()  # the index files whose sha256 this process checked: (path, inode, size, mtime, sha)
 
 
 def scan_index(root: Path, count: int) -> np.ndarray:
@@ -107,9 +109,22 @@ def check_index(rows: np.ndarray, count: int, path: object) -> np.ndarray:
     return rows
 
 
-def load_index(path: Path, count: int) -> np.ndarray:
-    """The index at ``path``, mapped (20 bytes a record: read as it is used) and checked."""
+def load_index(path: Path, count: int, sha256: str | None = None) -> np.ndarray:
+    """The index at ``path``, mapped (20 bytes a record: read as it is used) and checked: its shape, and its bytes
+    against ``sha256`` (the manifest's; once a process and file, forked workers inherit the check) when given.
+
+    Raises:
+        CorruptDataError: the file is missing, unreadable, not an index of ``count`` records, or its bytes differ
+            from ``sha256`` (one line naming it): its labels would be wrong, so it is not used.
+    """
     try:
+        stat = os.stat(path)
+        checked = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, sha256)
+        if sha256 is not None and checked not in _CHECKED:
+            if sha256_file(path) != sha256:
+                raise CorruptDataError(f"{path}: sha256 differs from the manifest (the LMDB index's bytes changed); "
+                                       "run `packer verify` and re-pack")
+            _CHECKED.add(checked)
         rows = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise CorruptDataError(f"{path}: cannot read the LMDB index ({exc}); run `packer verify` and re-pack") from None

@@ -157,6 +157,8 @@ class LmdbReader(Reader):
         listed = {e.get("path") for e in self.manifest.get("files", []) if isinstance(e, dict)}
         self._index_id = file_id(self.root / INDEX) if INDEX in listed else None  # None: packed before the index
         self._has_index = INDEX in listed
+        self._index_sha = next((e.get("sha256") for e in self.manifest.get("files", [])
+                                if isinstance(e, dict) and e.get("path") == INDEX), None)
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
 
     def _check_size(self, now: FileId) -> None:
@@ -203,9 +205,10 @@ class LmdbReader(Reader):
             if not self._has_index:
                 self._rows = cached_index(self.root, self.manifest)
             else:
-                if self._index_id is not None:
-                    check_unchanged(path, self._index_id, file_id(path))  # replaced since the manifest was read
-                self._rows = load_index(path, self._count)
+                now = file_id(path)
+                if now is not None:  # missing: loading says so, naming the file
+                    check_unchanged(path, self._index_id, now)  # replaced since the manifest was read
+                self._rows = load_index(path, self._count, self._index_sha)
         return self._rows
 
     def __len__(self) -> int:
