@@ -21,7 +21,9 @@ from support.remote import Served
 
 import packer
 from packer.errors import CorruptDataError, ManifestError, PackerError, RemoteError
+from packer.formats.lmdb.index import INDEX, save_index, scan_index
 from packer.formats.lmdb.records import HEADER, key
+from packer.manifest import file_entry
 
 FORMATS = ("lmdb", "hdf5", "wds")
 TESTS = Path(__file__).resolve().parents[1]
@@ -200,6 +202,16 @@ def set_labels(dest: Path, fmt: str, label: int) -> None:
                 value[:HEADER.size] = HEADER.pack(*fields)
                 txn.put(key(i), bytes(value))
         env.close()
+        # as packer writes a dataset: the index rebuilt from the records, the manifest naming both files' new bytes
+        save_index(dest / INDEX, scan_index(dest, 12))
+        refresh_files(dest, ["data.mdb", INDEX])
+
+
+def refresh_files(dest: Path, names: list[str]) -> None:
+    """The manifest's ``files`` entries of ``names`` (size, sha256) made those of the files now in ``dest``."""
+    files = json.loads((dest / "manifest.json").read_text())["files"]
+    assert set(names) <= {e["path"] for e in files}
+    edit_manifest(dest, files=[file_entry(dest, e["path"]) if e["path"] in names else e for e in files])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
