@@ -687,7 +687,15 @@ def test_the_next_epoch_s_first_blocks_are_fetched_ahead_as_far_as_the_budget_al
         seen += seen_indices(batches, truth[fmt])
         assert sorted(seen) == list(range(COUNT))
         before = block_gets(ds, server)
-        assert sorted(seen_indices(loader, truth[fmt])) == list(range(COUNT))
+        # the next epoch's batches up to the last that reads a block of ``ahead``: counted there, as later its own
+        # fetch-ahead may fetch the epoch after's blocks, some of them the same, evicted meanwhile
+        reads = reader.block_of(following.indices())
+        covering = 1 + max(int(np.flatnonzero(reads == b)[0]) for b in ahead) // BATCH
+        batches = iter(loader)
+        seen = seen_indices([next(batches) for _ in range(covering)], truth[fmt])
         after = block_gets(ds, server)
+        assert sorted(seen + seen_indices(batches, truth[fmt])) == list(range(COUNT))
     assert {b for b in ahead if after[b] > before[b]} == set()  # none of them fetched again
-    assert poll.most <= limit, (poll.most, limit)
+    # within the bound, give or take the one block a count of the folders may see both before and after an eviction
+    # (as the other bounded-cache tests allow per downloading process)
+    assert poll.most <= limit + int(sizes.max()), (poll.most, limit)
