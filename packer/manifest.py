@@ -26,7 +26,9 @@ from .install_hints import pip_hint
 MANIFEST = "manifest.json"
 JOURNAL = ".packer-in-progress"  # the progress record of an unfinished conversion
 TUNED = "loader.json"  # a dataset's tuned loader settings, written by `packer bench --tune`
-FORMAT_VERSION = 2  # the newest this packer reads; a dataset with "fields" is written as 2
+FORMAT_VERSION = 3  # the newest this packer reads
+FIELDS_FORMAT_VERSION = 2  # a dataset with "fields"; a format may write a later one for its own layout (WebDataset
+# writes 3: its fields' members renamed so that none can collide, packer.formats.wds.members.NAMED_FIELDS_VERSION)
 PLAIN_FORMAT_VERSION = 1  # an image-and-class dataset is still written as 1, which older packers read
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read (PACKER_MAX_MANIFEST_BYTES)
 REQUIRED = {"format": str, "format_version": int, "count": int, "classes": list, "class_to_idx": dict,

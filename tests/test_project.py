@@ -337,7 +337,7 @@ FORMAT_IMPORTS_ALLOWED = {
 }
 # manifest keys a format adds, read only by its module (through the hooks: check_manifest, summary, merge_parts,
 # stream_files)
-FORMAT_MANIFEST_KEYS = {"shards"}
+FORMAT_MANIFEST_KEYS = {"shards", "caption"}  # caption: the field WebDataset writes as KEY.txt
 # module -> how many times it may name such a key for something else, and why
 KEY_MENTIONS_ALLOWED = {
     "packer/sources/shards.py": 1,  # ShardsSource.kind = "shards": the kind of source (sources.base.Source.kind)

@@ -48,7 +48,7 @@ class Writer(ABC):
     def check_schema(cls, schema: Sequence[Field], options: dict[str, Any] | None = None, where: object = "") -> None:
         """Refuse, before anything is read or written, a schema this format cannot store (a field name it cannot
         write): a :class:`~packer.errors.UsageError` whose one line begins with ``where`` (``"TABLE: "``) and
-        names the field. ``options`` are the writer's. Each format owns its rule."""
+        names the field. ``options`` are the writer's (WebDataset's ``caption``). Each format owns its rule."""
 
     @abstractmethod
     def write(self, label: int, relpath: str, item: Encoded, extras: tuple[bytes, ...] = ()) -> int | None:
@@ -169,11 +169,17 @@ class Reader(ABC):
         if len(values) != len(self.extra_fields):
             raise CorruptDataError(f"{self.describe(index)}: holds {len(values)} fields, the manifest says "
                                    f"{len(self.extra_fields)}; run `packer verify`")
-        crc = self.fields_checksum(index) if verify else None
+        if verify:
+            self.check_fields(index, values)
+        return {f.name: v for f, v in zip(self.extra_fields, values, strict=True)}
+
+    def check_fields(self, index: int, values: Sequence[memoryview | bytes]) -> None:
+        """:class:`CorruptDataError` unless sample ``index``'s extra fields as stored (``values``, in order) match
+        the checksum recorded for them (when the format records one)."""
+        crc = self.fields_checksum(index)
         if crc is not None and fields_crc32(values) != crc:
             raise CorruptDataError(f"{self.describe(index)}: checksum mismatch in its fields, the stored bytes are "
                                    "damaged; run `packer verify` and re-pack")
-        return {f.name: v for f, v in zip(self.extra_fields, values, strict=True)}
 
     def read_fields_many(self, indices: list[int], verify: bool = False) -> list[dict[str, memoryview | bytes]]:
         """:meth:`read_fields` of several samples."""
@@ -326,10 +332,12 @@ class Reader(ABC):
 
     @classmethod
     def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None,
-                    wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+                    wanted: Callable[[int], bool] | None = None,
+                    stored: Sequence[Field] | None = None) -> Iterator[StreamSample | None]:
         """The samples of one of :meth:`stream_files`' files (a local copy at ``path``; ``where`` names it in
-        messages), read sequentially; ``extras``: the extra fields to give. A sample ``wanted`` declines (given
-        its place in the file, from 0) is None, and need not be read."""
+        messages), read sequentially; ``extras``: the extra fields to give, of ``stored``, the dataset's extra
+        fields in stored order (default: ``extras``). A sample ``wanted`` declines (given its place in the file,
+        from 0) is None, and need not be read."""
         raise NotImplementedError(f"{cls.format} is not read sequentially")
 
     @classmethod
@@ -346,6 +354,11 @@ class Reader(ABC):
     def stored_sizes(self) -> np.ndarray | None:
         """The stored bytes of each sample (int64, by index), when the format knows them without reading the
         samples; else None."""
+        return None
+
+    def stored_shapes(self) -> np.ndarray | None:
+        """The stored (H, W, C) of each sample, ``(N, 3)``, when the format knows them without reading the
+        samples (an index of them); else None."""
         return None
 
     # -- shared machinery -------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ sample's range bytes into its :class:`~packer.formats.Sample`. Nothing here know
 from __future__ import annotations
 
 import os
+import tokenize
+import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -146,7 +148,8 @@ class Layout:
                 index = {name[6:]: data[name] for name in data.files if name.startswith("index.")}
                 return cls(tuple(str(f) for f in data["files"]), data["sample_file"].astype(np.int32),
                            data["start"].astype(np.int64), data["end"].astype(np.int64), index)
-        except (OSError, ValueError, KeyError, EOFError):
+        except (OSError, ValueError, KeyError, EOFError, SyntaxError, TypeError, OverflowError, tokenize.TokenError,
+                zipfile.BadZipFile):  # what np.load raises for a damaged .npz or .npy header
             return None
 
 

@@ -69,11 +69,13 @@ Shard = tuple[Path | Fetchable, int]  # a shard and its sample count
 
 
 def shard_samples(shard: Path | Fetchable, extras: Sequence[Field], reader: type[Reader],
-                  wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+                  wanted: Callable[[int], bool] | None = None,
+                  stored: Sequence[Field] | None = None) -> Iterator[StreamSample | None]:
     """The samples of a shard, read sequentially by its format (:meth:`~packer.formats.Reader.stream_file`); a
-    remote shard from its cached copy, held only while it is read. Those ``wanted`` declines are None."""
+    remote shard from its cached copy, held only while it is read. Those ``wanted`` declines are None;
+    ``extras`` are the fields to give of ``stored``, the dataset's extra fields."""
     with fetched(shard) as local:
-        yield from reader.stream_file(local, extras, shard, wanted)
+        yield from reader.stream_file(local, extras, shard, wanted, stored)
 
 
 def shard_window(buffer: int, counts: Sequence[int]) -> int:
@@ -136,6 +138,10 @@ class ShardStreams(IterableDataset):
         shard, count = self.shards[block]
         return shard, count, self.reader, int(cast(np.ndarray, self._pass().blocks)[block])
 
+    def _stored(self, block: int) -> Sequence[Field]:
+        """Every extra field of block ``block``'s dataset, in the order of a sample's members."""
+        return cast(StreamDecoder, self.decoder).samples.extra_fields
+
     def _decode(self, batch: np.ndarray, samples: list[StreamSample]) -> Any:
         # a mixture has its own decoder, and decodes in its own _decode
         return cast(StreamDecoder, self.decoder).batch(samples, self._pass().epoch, self.view)
@@ -159,7 +165,8 @@ class ShardStreams(IterableDataset):
         """Read shard ``block`` from start to end, keeping the samples this stream still uses."""
         shard, count, reader, named = self._shard(block)
         first, n = int(cast(np.ndarray, self._pass().blocks)[block]), 0
-        for n, sample in enumerate(shard_samples(shard, self.extras, reader, lambda k: uses[first + k] > 0), 1):
+        for n, sample in enumerate(shard_samples(shard, self.extras, reader, lambda k: uses[first + k] > 0,
+                                                  self._stored(block)), 1):
             if n > count or sample is None:  # the samples of other streams are skipped, not read
                 continue
             key = sample.key  # packer's keys are the samples' indices: one elsewhere is a shard out of place
@@ -443,6 +450,9 @@ class MixedShardStreams(ShardStreams):
         k, j = int(self.mixture.vsource[block]), int(self.mixture.vshard[block])
         shard, count = self.shards[block]
         return shard, count, self.sources[k].reader, int(self.sources[k].starts[j])
+
+    def _stored(self, block: int) -> Sequence[Field]:
+        return self.mixed.decoders[int(self.mixture.vsource[block])].samples.extra_fields
 
     def _decode(self, batch: np.ndarray, samples: list[StreamSample]) -> Any:
         plan = cast(EpochPass, self.plan)

@@ -156,7 +156,7 @@ def convert_samples(dest: Path, plan: Plan, indices: Sequence[int], journal: dic
     """
     writer_options = {"estimated_bytes": plan.estimate(indices), "shard_bytes": plan.options.shard_size,
                       "shard_samples": plan.options.shard_samples, "classes": plan.source.classes,
-                      "key_offset": key_offset, "schema": plan.source.schema}
+                      "key_offset": key_offset, "schema": plan.source.schema, "caption": plan.options.caption_column}
     writer = plan.writer_cls(dest, plan.spec, len(indices), writer_options)
     conversion = _Conversion(plan.source, dest, indices, plan.spec, writer, journal, plan.options.strict,
                              plan.options.progress if progress is None else progress, desc, on_progress)

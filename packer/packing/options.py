@@ -135,6 +135,8 @@ class PackOptions:
     field: tuple[str, ...] = option((), "Annotation table SRC: a column's type, NAME:TYPE (repeatable): text, json, "
                                         "int64, float32, int64[n] or float32[] vectors, image, mask, class.",
                                     cli=dict(multiple=True))
+    caption_column: str | None = option(None, "WebDataset: the text field also written as KEY.txt, as img2dataset "
+                                              "and open_clip read captions (default: the only text field).", cli={})
     split: str | None = option(None, "hf: SRC holding a DatasetDict: the split to pack (default train).", cli={})
     distributed: bool | None = option(None, "False: convert in this process only, even under torchrun; True: "
                                             "require a distributed launch (default: detect it).")

@@ -18,7 +18,7 @@ from ..errors import ImageError, warn
 from ..fields import is_pair_schema
 from ..formats.base import Writer, get_format
 from ..images.transforms import TransformSpec
-from ..manifest import FORMAT_VERSION, PLAIN_FORMAT_VERSION
+from ..manifest import FIELDS_FORMAT_VERSION, PLAIN_FORMAT_VERSION
 from ..sources.base import Source
 from ..sources.detect import open_source
 from .dest import SHOWN, name_some
@@ -69,7 +69,8 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
     spec = options.transform_spec(source.default_store, source.mode)
     source.check(spec)
     where = source.root if source.kind == "folder" else src
-    writer_cls.check_schema(source.schema, {}, f"{where}: ")
+    named = where if isinstance(where, (str, os.PathLike)) else getattr(source, "name", source.kind)  # a Dataset
+    writer_cls.check_schema(source.schema, {"caption": options.caption_column}, f"{named}: ")
     if source.hidden_skipped and not quiet:
         warn(f"skipped {source.hidden_skipped} hidden files and folders in {where} (names starting with '.'); "
              "pass --include-hidden to keep them")
@@ -96,6 +97,8 @@ def build_plan(src: str | os.PathLike, options: PackOptions, quiet: bool = False
               "fingerprint": source.fingerprint()}
     if options.label_key is not None:
         record["label_key"] = options.label_key
+    if options.caption_column is not None:
+        record["caption_column"] = options.caption_column
     if source.kind == "table":
         record["table"] = options.table
     if source.kind == "hf":
@@ -133,7 +136,7 @@ def make_manifest(plan: Plan, count: int, extras: dict[str, Any], skipped: list[
     Args:
         plan: the conversion's plan.
         count: samples written.
-        extras: what the writer (or the merged parts) adds: ``files``, ``shards``.
+        extras: what the writer (or the merged parts) adds: ``files``, ``shards``; a ``format_version`` of its own.
         skipped: images skipped while converting, ``{"path", "error"}`` each.
         resumed: whether the conversion was resumed.
         seconds: how long it took.
@@ -144,7 +147,7 @@ def make_manifest(plan: Plan, count: int, extras: dict[str, Any], skipped: list[
     source, spec = plan.source, plan.spec
     return {
         "format": plan.options.format, "packer_version": __version__,
-        "format_version": PLAIN_FORMAT_VERSION if is_pair_schema(source.schema) else FORMAT_VERSION,
+        "format_version": PLAIN_FORMAT_VERSION if is_pair_schema(source.schema) else FIELDS_FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {**source.describe(), "images": source.count,
                    "bytes": int(plan.sizes.sum()) if spec.store != "raw" else None},

@@ -153,11 +153,11 @@ def test_missing_extra_member_is_named(tmp_path):
     layout, source = layout_of(dest)
     reader = WdsReader(dest)
     data = bytearray(range_bytes(source, layout, 3))
-    at = data.index(b"000000003.caption.txt")
-    data[at:at + 21] = b"000000003.captain.txt"
+    at = data.index(b"000000003.mask.png")
+    data[at:at + 18] = b"000000003.mast.png"
     with pytest.raises(CorruptDataError) as exc:
         WdsReader.ranged_extras(3, memoryview(bytes(data)), layout, reader.extra_fields, str(dest))
-    one_line(exc, str(dest / layout.files[int(layout.file[3])]), "caption")
+    one_line(exc, str(dest / layout.files[int(layout.file[3])]), "'mask'")
 
 
 def rewrite_index(dest: Path, rows: np.ndarray) -> None:

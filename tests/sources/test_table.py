@@ -117,7 +117,7 @@ def test_plain_libraries_read_the_fields(packed, table, tmp_path):
     shards = sorted(str(p) for p in packed["wds"].glob("shard-*.tar"))
     seen = 0
     for sample in webdataset.WebDataset(shards, shardshuffle=False).decode("pil"):
-        row = by_caption[sample["caption.txt"]]
+        row = by_caption[sample["txt"]]  # the one text field is KEY.txt, as img2dataset and open_clip read it
         assert sample["meta.json"] == row["meta"] and sample["count.cls"] == row["count"]
         assert sample["box.npy"].tolist() == row["box"] and sample["tags.npy"].tolist() == row["tags"]
         assert sample["cls"] == sorted(SUBJECTS).index(row["subject"])
@@ -272,9 +272,9 @@ def test_foreign_shards_keep_every_member_as_a_field(laion_shards, tmp_path, run
         assert bytes(fields["txt"]).decode() == sample["txt"]
         assert json.loads(bytes(fields["json"])) == sample["json"]
         assert bytes(reader.read(i).payload) == sample["jpg"]  # store original: the exact bytes
-    if fmt == "wds":  # and the output is what webdataset users expect: .jpg + .txt + .json
+    if fmt == "wds":  # and the output is what webdataset users expect: .jpg + .txt, every other field NAME.EXT
         names = tarfile.open(next((tmp_path / "out").glob("shard-*.tar"))).getnames()
-        assert {n.split(".", 1)[1] for n in names} == {"jpg", "txt", "json", "packer.json"}
+        assert {n.split(".", 1)[1] for n in names} == {"jpg", "txt", "json", "json.json"}
 
 
 def test_a_label_key_still_picks_the_class_and_must_be_an_integer(laion_shards, tmp_path, run_packer):

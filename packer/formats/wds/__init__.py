@@ -8,12 +8,18 @@ distributed conversion each rank's part (``part-00000/shard-000000.tar``...) num
 position in the output order, so keys stay unique across parts.
 
 A dataset with fields beyond the image and its class (the manifest's ``fields``) adds one member per extra field
-after those, in the manifest's order, named ``000000042.NAME.EXT`` (``000000042.EXT`` when the field is named
-as its extension, as foreign ``txt``/``json`` members are): text ``txt``, JSON ``json``, an integer ``cls``
-(ASCII digits), other numbers and vectors ``npy``, bytes ``bin``, a mask ``png``, a second image under its own
-extension: the names the ``webdataset`` library decodes. Without a class field there is no ``.cls`` member; when
-a field is named ``json``, packer's own member is ``000000042.packer.json``. The json member records the
-fields' checksum (``fields_crc32``).
+after those, in the manifest's order, named ``000000042.NAME.EXT``: text ``txt``, JSON ``json``, an integer
+``cls`` (ASCII digits), other numbers and vectors ``npy``, bytes ``bin``, a mask ``png``, a second image under its
+own extension: the names the ``webdataset`` library decodes. Two parts where packer's own members have one, so no
+field's member can take the image's, the class's or packer's json's name, nor another field's (names are unique
+but for case, which webdataset ignores: :func:`~packer.formats.wds.members.check_schema` refuses the rest, and
+names over 64 characters, before anything is written). The caption, the one text field (or the one
+``--caption-column`` names; the manifest's ``caption``), is ``000000042.txt`` instead, as img2dataset and
+open_clip read it. Without a class field there is no ``.cls`` member. The json member records the fields'
+checksum (``fields_crc32``). Such a dataset is ``format_version`` 3; version 2 named a field as its extension
+when the two were equal (a bare ``000000042.txt``) and packer's json ``000000042.packer.json`` beside a field
+named ``json``. Every reader takes a sample's members by their order (image, class, json, then the fields), so
+both read alike.
 
 ``packer.stream`` reads a packed dataset's shards from start to end (:meth:`WdsReader.stream_file`:
 :func:`~packer.formats.wds.members.read_shard`), grouping members into samples by

@@ -54,7 +54,7 @@ def scan_shards(paths: list[Path], label_key: str | None = "cls", skipped: list[
         label_key = "cls" if any("cls" in members for *_, members in found) else None
     label_ext = None if label_key is None or label_key.startswith("json:") else label_key
     exts = sorted({e for *_, members in found for e in members if e not in (label_ext, members[_IMAGE])} - {_IMAGE})
-    fields = [shard_field(ext) for ext in exts]
+    fields = shard_fields(exts, reserved=("image", "label") if label_key is not None else ("image",))
     rows, relpaths, offsets = [], [], []
     for shard_id, path, key, members in found:
         missing = next((e for e in exts if e not in members), None)
@@ -78,15 +78,39 @@ def scan_shards(paths: list[Path], label_key: str | None = "cls", skipped: list[
     return ForeignShards(index, np.array(relpaths, dtype=str), members_index, fields, label_key is not None)
 
 
-def shard_field(ext: str) -> Field:
+def shard_field(ext: str, name: str | None = None) -> Field:
     """The field a foreign member becomes, by its extension: ``txt`` text, ``json`` JSON, ``cls`` an integer,
-    an image extension a second image, anything else bytes; ``caption.txt`` is the text field ``caption``."""
+    an image extension a second image, anything else bytes; ``caption.txt`` is the text field ``caption``.
+    ``name`` overrides the name (:func:`shard_fields` makes each unique)."""
     base, _, last = ext.rpartition(".")
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", base or last)
     kind = {"txt": "text", "text": "text", "json": "json", "cls": "int64"}.get(last)
     if kind is None:
         kind = "image" if last in IMAGE_EXTS and last != "npy" else "bytes"
-    return Field(name, kind)
+    return Field(name or _field_name(base or last), kind)
+
+
+def _field_name(text: str) -> str:
+    """A field name made of a member's suffix: letters, digits, ``_`` and ``-``, starting with no ``-``."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    return name if name[:1] not in ("", "-") else "_" + name
+
+
+def shard_fields(exts: list[str], reserved: tuple[str, ...] = ()) -> list[Field]:
+    """The fields of foreign members with these extensions (:func:`shard_field`), named so that no two names
+    are equal, even but for case, nor one of ``reserved`` (``image``, ``label``): ``caption.txt`` is
+    ``caption``; beside ``caption.json`` the second is ``caption_json``, then ``caption_json_2``..."""
+    taken = {r.lower() for r in reserved}
+    fields = []
+    for ext in exts:
+        base, _, last = ext.rpartition(".")
+        candidates = [_field_name(base or last), _field_name(ext.replace(".", "_"))]
+        name = next((c for c in candidates if c.lower() not in taken), None)
+        k = 2
+        while name is None or name.lower() in taken:
+            name, k = f"{candidates[1]}_{k}", k + 1
+        taken.add(name.lower())
+        fields.append(shard_field(ext, name))
+    return fields
 
 
 def _shard_samples(path: Path, skipped: list[tuple[str, str]]) -> list[tuple[str, dict]]:

@@ -19,7 +19,7 @@ from ...errors import CorruptDataError
 from ...fields import Field
 from ..base import Sample
 from ..layout import Layout, RangeSource
-from .members import INDEX_DTYPE, after_json, field_members, fields_checksum_of, packer_info, payload_sample
+from .members import INDEX_DTYPE, NPY_ERRORS, after_json, field_members, fields_checksum_of, packer_info, payload_sample
 
 MAX_INDEX_HEADER = 1 << 16  # the .npy header of the shard index: a few hundred bytes
 
@@ -39,7 +39,7 @@ def read_index(source: RangeSource, name: str, count: int, where: str) -> np.nda
         major, _ = np.lib.format.read_magic(buf)
         read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
         shape, _, dtype = read_header(buf, max_header_size=MAX_INDEX_HEADER)
-    except (ValueError, SyntaxError, TypeError) as exc:  # what numpy's header parser raises
+    except NPY_ERRORS as exc:  # what numpy's header parser raises
         raise CorruptDataError(f"{path}: not a packer shard index ({exc}); re-pack") from None
     if dtype != INDEX_DTYPE or shape != (count,) or buf.tell() != header or len(raw) != size:
         what = f"shape {shape}" if dtype == INDEX_DTYPE else "another dtype"

@@ -11,14 +11,15 @@ import io
 import json
 import mmap
 import tarfile
+import tokenize
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from ...errors import CorruptDataError, PackerError
-from ...fields import NUMERIC, Field
+from ...errors import CorruptDataError, PackerError, UsageError
+from ...fields import NUMERIC, Field, extra_fields
 from ...images.transforms import EXTENSION_BY_FORMAT
 from ..base import Sample, StreamSample
 
@@ -27,6 +28,9 @@ INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("
                         ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
 INDEX = "wds_index.npy"  # the shard index: one INDEX_DTYPE row a sample
+# what numpy's .npy header parser raises for a damaged header (a changed byte can leave an unfinished literal,
+# which its tokenizer reports as tokenize.TokenError)
+NPY_ERRORS = (OSError, ValueError, SyntaxError, TypeError, OverflowError, tokenize.TokenError)
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
 
 
@@ -45,54 +49,71 @@ def sample_key(name: str) -> tuple[str, str] | None:
     return name[: len(name) - len(base)] + key, ext.lower()
 
 
-def member_suffix(field: Field, image_ext: str = "png") -> str:
-    """The member name after the key of an extra field: ``NAME.EXT``, or ``EXT`` for a field named as its
-    extension. An image field's extension is its encoded format's."""
+# Field members (see the package's docstring). Datasets of format_version 3 and later name every field's member
+# NAME.EXT: two dot-separated parts, where packer's own members (the image's extension, cls, json) have one, so
+# none can take another's name, nor one that the webdataset library reads as the image or the class. One text
+# field, the caption, is named txt instead (img2dataset's and open_clip's convention): the only other one-part
+# name. Earlier datasets (format_version 2) named a field as its extension when the two were equal (a bare
+# "txt" or "jpg") and packer's own json "packer.json" beside a field named json; they are read by position, as
+# before, so they read as they always did.
+NAMED_FIELDS_VERSION = 3
+MAX_FIELD_NAME = 64  # a member name is KEY.NAME.EXT in the 100 bytes of a plain tar header
+CAPTION_EXT = "txt"
+
+
+def field_ext(field: Field, image_ext: str = "png") -> str:
+    """The extension of an extra field's member: the one the ``webdataset`` library decodes it by; an image
+    field's is its encoded format's."""
     if field.kind in NUMERIC:
-        ext = "cls" if field.kind == "int64" and field.shape == () else "npy"
-    else:
-        ext = {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
-    return ext if field.name == ext else f"{field.name}.{ext}"
+        return "cls" if field.kind == "int64" and field.shape == () else "npy"
+    return {"text": "txt", "json": "json", "bytes": "bin", "mask": "png", "image": image_ext}[field.kind]
 
 
-MEMBER_NAME_BYTES = 100  # a ustar header's name: packer's members have no folder to move into its prefix
-KEY_CHARS = 12  # a sample's key: its output position in (at least) 9 digits; 12 allows a trillion samples
-FIELD_IMAGE_EXTS = tuple(dict.fromkeys(EXTENSION_BY_FORMAT.values()))  # what a second image or mask is stored as
+def member_suffix(field: Field, image_ext: str = "png", caption: str | None = None) -> str:
+    """The member name after the key of an extra field (format_version 3): ``NAME.EXT``, or ``txt`` for the
+    field named ``caption``."""
+    return CAPTION_EXT if field.name == caption else f"{field.name}.{field_ext(field, image_ext)}"
 
 
-def meta_ext(extra: Sequence[Field]) -> str:
-    """The extension of packer's own json member: ``json``, or ``packer.json`` beside a field named ``json``."""
-    return "packer.json" if any(f.name == "json" for f in extra) else "json"
+def names_field(field: Field, suffix: str) -> bool:
+    """Whether a member named ``KEY.SUFFIX`` may hold ``field`` in a dataset of any format_version: ``NAME.EXT``,
+    the bare ``NAME`` of version 2, or ``txt`` for a text field (the caption). Case is ignored, as the
+    ``webdataset`` library lowercases member names; which member holds which field is their order."""
+    suffix, name = suffix.lower(), field.name.lower()
+    return suffix == name or suffix.startswith(name + ".") or (field.kind == "text" and suffix == CAPTION_EXT)
 
 
-def schema_problem(extra: Sequence[Field], labelled: bool) -> str | None:
-    """Why samples with the extra fields ``extra`` cannot be written as WebDataset members that every reader
-    (packer, ``webdataset``, ``tar``) tells apart, or None: a member name longer than a tar header holds, or a
-    field's member that could have the name of the image (any image extension), the class (``cls``), packer's
-    json member or another field's member. Asked before anything is written."""
-    taken = {ext: "the image" for ext in IMAGE_EXTS} | {"cls": "the class", meta_ext(extra): "packer's json member"}
-    if not labelled:
-        taken["cls"] = "webdataset's class member"
-    for field in extra:
-        suffixes = {member_suffix(field, ext) for ext in FIELD_IMAGE_EXTS} if field.dense else {member_suffix(field)}
-        for suffix in sorted(suffixes):
-            if len(f"{'0' * KEY_CHARS}.{suffix}".encode()) > MEMBER_NAME_BYTES:
-                return (f"field {field.name!r}: its member name ({'0' * 9}.{suffix}) is longer than a tar header "
-                        f"holds ({MEMBER_NAME_BYTES} bytes); shorten the column's name to at most "
-                        f"{MEMBER_NAME_BYTES - KEY_CHARS - 1 - len(suffix) + len(field.name)} characters")
-            if suffix in taken:
-                return (f"field {field.name!r} would be stored as the member KEY.{suffix}, the name of "
-                        f"{taken[suffix]}; rename the column")
-        taken |= {suffix: f"field {field.name!r}" for suffix in suffixes}
-    return None
+def caption_field(schema: Sequence[Field], caption: str | None = None, where: object = "") -> str | None:
+    """The text field written as ``KEY.txt``: ``caption`` (``--caption-column``), which must name a text
+    field, else the schema's only text field; None when there is none or several."""
+    texts = [f.name for f in extra_fields(schema) if f.kind == "text"]
+    if caption is None:
+        return texts[0] if len(texts) == 1 else None
+    if caption not in texts:
+        raise UsageError(f"{where}--caption-column {caption}: not a text field (text fields: "
+                         f"{', '.join(texts) or 'none'}); name one of them, or leave it out")
+    return caption
 
 
-def field_member(field: Field, members: dict[str, bytes]) -> str | None:
-    """Which of a sample's members (named by what follows the key) holds ``field``: ``NAME.EXT``, or ``EXT`` for
-    a field named as its extension (the inverse of :func:`member_suffix`)."""
-    if field.name in members:
-        return field.name
-    return next((m for m in members if m.startswith(field.name + ".")), None)
+def check_schema(schema: Sequence[Field], caption: str | None = None, where: object = "") -> str | None:
+    """The rule of the field names WebDataset members can hold, checked before anything is written: each at most
+    :data:`MAX_FIELD_NAME` characters, none equal to another but for case (the ``webdataset`` library lowercases
+    member names). Returns :func:`caption_field`'s choice. ``where`` (``"TABLE: "``) begins each message.
+
+    Raises:
+        UsageError: one line naming the column and what to do.
+    """
+    seen: dict[str, str] = {}
+    for field in extra_fields(schema):
+        if len(field.name) > MAX_FIELD_NAME:
+            raise UsageError(f"{where}field {field.name[:20]!r}... has a name of {len(field.name)} characters; "
+                             f"WebDataset member names hold field names of at most {MAX_FIELD_NAME}: rename its "
+                             "column or member (or pack with --format lmdb or hdf5)")
+        other = seen.setdefault(field.name.lower(), field.name)
+        if other != field.name:
+            raise UsageError(f"{where}fields {other!r} and {field.name!r} differ only in case, which WebDataset "
+                             "member names cannot tell apart (webdataset lowercases them): rename one")
+    return caption_field(schema, caption, where)
 
 
 def image_ext(value: bytes) -> str:
@@ -100,7 +121,7 @@ def image_ext(value: bytes) -> str:
     try:
         with Image.open(io.BytesIO(value)) as image:
             return EXTENSION_BY_FORMAT.get(image.format or "", "png")
-    except (OSError, ValueError):
+    except (OSError, ValueError, Image.DecompressionBombError):  # its header alone says what it is
         return "png"
 
 
@@ -129,6 +150,17 @@ def stored_bytes(field: Field, member: bytes | memoryview, where: str) -> bytes 
         return np.ascontiguousarray(array, NUMERIC[field.kind]).tobytes()
     except Exception as exc:  # numpy's .npy parser raises several kinds
         raise CorruptDataError(f"{where}: member of field {field.name!r} is damaged ({exc}); re-pack") from None
+
+
+def load_index(path: Path) -> np.ndarray:
+    """The shard index at ``path``, memory-mapped (never unpickled); :class:`CorruptDataError` naming it, in one
+    line, whatever is damaged in its header."""
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except NPY_ERRORS as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise CorruptDataError(f"{path}: cannot read the shard index ({type(exc).__name__}: {reason}); re-pack") \
+            from None
 
 
 def npy_bytes(payload: bytes, shape: tuple[int, ...], dtype: str) -> tuple[bytes, int]:
@@ -190,15 +222,14 @@ def after_json(json_offset: int, json_size: int) -> int:
 
 def field_members(shard: memoryview, at: int, fields: Sequence[Field], where: str) -> tuple[memoryview | bytes, ...]:
     """The stored bytes of ``fields``, one member each from the header at ``at`` of ``shard`` (a shard's bytes,
-    or a range of them), in order: each header must name its field (``KEY.NAME.EXT`` or ``KEY.EXT``)."""
+    or a range of them), in order: each header must name its field (:func:`names_field`)."""
     values = []
     block = tarfile.BLOCKSIZE
     for field in fields:
         header = member_header(bytes(shard[at:at + block])) if at + block <= len(shard) else None
         start = at + block
-        suffix = "" if header is None else header[0].partition(".")[2]
-        if (header is None or not (suffix == field.name or suffix.startswith(field.name + "."))
-                or start + header[1] > len(shard)):
+        suffix = "" if header is None else header[0].rpartition("/")[2].partition(".")[2]
+        if header is None or not names_field(field, suffix) or start + header[1] > len(shard):
             raise CorruptDataError(f"{where}: no member for field {field.name!r} where the index says; "
                                    "run `packer verify` and re-pack")
         values.append(stored_bytes(field, shard[start:start + header[1]], where))
@@ -207,14 +238,17 @@ def field_members(shard: memoryview, at: int, fields: Sequence[Field], where: st
 
 
 def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None,
-               wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
+               wanted: Callable[[int], bool] | None = None,
+               stored: Sequence[Field] | None = None) -> Iterator[StreamSample | None]:
     """The samples of a shard packer wrote, read from start to end (``tar`` order): members grouped by
-    :func:`sample_key`; ``extras``' bytes are their members' (:func:`field_member`). ``where`` names the shard in
-    messages (default ``path``). A sample ``wanted`` declines (given its place in the shard, from 0) is None: its
+    :func:`sample_key`, each sample's read by their order (:func:`streamed_sample`): ``stored`` are the
+    dataset's extra fields (default ``extras``), ``extras`` those to give. ``where`` names the shard in messages
+    (default ``path``). A sample ``wanted`` declines (given its place in the shard, from 0) is None: its
     members' headers are read, their data skipped."""
     where = path if where is None else where
+    stored = extras if stored is None else stored
     key: str | None = None
-    members: dict[str, bytes] = {}
+    members: list[tuple[str, bytes]] = []
     place, keep = -1, True
     try:
         with tarfile.open(path, "r:") as tar:
@@ -225,28 +259,47 @@ def read_shard(path: Path, extras: Sequence[Field] = (), where: object = None,
                     continue
                 if parsed[0] != key:
                     if key is not None:
-                        yield _streamed(where, key, members, extras) if keep else None
-                    key, members, place = parsed[0], {}, place + 1
+                        yield streamed_sample(where, key, members, stored, extras) if keep else None
+                    key, members, place = parsed[0], [], place + 1
                     keep = wanted is None or wanted(place)
                 if keep:
                     data = tar.extractfile(member)
-                    members[parsed[1]] = data.read() if data is not None else b""
+                    members.append((parsed[1], data.read() if data is not None else b""))
     except (OSError, tarfile.TarError) as exc:
         raise PackerError(f"{where}: damaged tar shard ({exc}); run `packer verify`") from None
     if key is not None:
-        yield _streamed(where, key, members, extras) if keep else None
+        yield streamed_sample(where, key, members, stored, extras) if keep else None
 
 
-def _streamed(where: object, key: str, members: dict[str, bytes], extras: Sequence[Field]) -> StreamSample:
-    """Sample ``key`` of a shard read sequentially, from its members by extension."""
-    ext = next((e for e in IMAGE_EXTS if e in members), None)
-    if ext is None or ("cls" not in members and not extras):
-        raise PackerError(f"{where}: sample {key} has no image or no .cls label; run `packer verify`")
+def streamed_sample(where: object, key: str, members: Sequence[tuple[str, bytes]], stored: Sequence[Field],
+                    extras: Sequence[Field]) -> StreamSample:
+    """Sample ``key`` of a shard packer wrote, from its members (``(lower-case suffix, bytes)``) in the order it
+    wrote them: the image, the ``cls`` label (where the dataset has a class), packer's json, then one member per
+    field of ``stored`` (each named as :func:`names_field` allows); ``extras``' values are given. By order, as
+    the index reads them, so a stream gives what ``ds[i]`` gives whatever the fields are named."""
+    name = f"{where} sample {key}"
+    if not members or members[0][0] not in IMAGE_EXTS:
+        raise CorruptDataError(f"{name}: its first member is not an image; run `packer verify`")
+    labelled = len(members) > 1 and members[1][0] == "cls"
+    meta = 2 if labelled else 1
+    if len(members) <= meta or members[meta][0] not in ("json", "packer.json"):
+        raise CorruptDataError(f"{name}: no packer json member after its image and label; run `packer verify`")
+    found = members[meta + 1:]
+    if len(found) != len(stored):
+        raise CorruptDataError(f"{name}: holds {len(found)} field members, the manifest says {len(stored)}; "
+                               "run `packer verify`")
     values: dict[str, bytes | memoryview] = {}
-    for field in extras:
-        member = field_member(field, members)
-        if member is None:
-            raise PackerError(f"{where}: sample {key} has no member for field {field.name!r}; run `packer verify`")
-        values[field.name] = stored_bytes(field, members[member], f"{where} sample {key}")
-    label = int(members["cls"]) if "cls" in members else -1
-    return StreamSample(key, members[ext], ext, label, values)
+    wanted = {f.name for f in extras}
+    for field, (suffix, data) in zip(stored, found, strict=True):
+        if not names_field(field, suffix):
+            raise CorruptDataError(f"{name}: member .{suffix} where field {field.name!r} should be; run "
+                                   "`packer verify`")
+        if field.name in wanted:
+            values[field.name] = stored_bytes(field, data, name)
+    label = -1
+    if labelled:
+        try:
+            label = int(members[1][1].decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise CorruptDataError(f"{name}: its .cls member is not an integer label; run `packer verify`") from None
+    return StreamSample(key, members[0][1], members[0][0], label, values)

@@ -27,9 +27,11 @@ from .layout import ranged_extras, ranged_fields_checksum, ranged_sample, read_i
 from .members import (
     INDEX,
     INDEX_DTYPE,
+    NAMED_FIELDS_VERSION,
     after_json,
     field_members,
     fields_checksum_of,
+    load_index,
     packer_info,
     payload_sample,
     read_shard,
@@ -94,10 +96,7 @@ class WdsReader(Reader):
         """The shard index, mapped (not read), and checked to be the file the manifest was read beside: a file
         replaced since is refused, as a data file is."""
         path = self.root / INDEX
-        try:
-            index = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise CorruptDataError(f"{path}: cannot read the shard index ({exc}); re-pack") from None
+        index = load_index(path)
         recorded, now = self._file_ids.get(path), file_id(path)
         if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
             raise changed_error(path)
@@ -187,6 +186,8 @@ class WdsReader(Reader):
             raise ManifestError(f"{where}: malformed 'shards'; the dataset is damaged, re-pack it")
         if any(isinstance(s.get("count", 0), bool) or s.get("count", 0) < 0 for s in shards):
             raise ManifestError(f"{where}: a negative count in 'shards'; the dataset is damaged, re-pack it")
+        if "caption" in data and not isinstance(data["caption"], str):
+            raise ManifestError(f"{where}: malformed 'caption'; the dataset is damaged, re-pack it")
 
     @classmethod
     def summary(cls, dest: str, manifest: dict) -> list[str]:
@@ -195,8 +196,9 @@ class WdsReader(Reader):
         if not shards:
             return []
         counts = [s["count"] for s in shards]
+        caption = [f"  caption: field {manifest['caption']!r}, member KEY.txt"] if manifest.get("caption") else []
         return [f"  {len(counts)} shards, {min(counts)}-{max(counts)} samples each",
-                f"  webdataset: {brace_pattern(dest, [s['path'] for s in shards])}"]
+                f"  webdataset: {brace_pattern(dest, [s['path'] for s in shards])}", *caption]
 
     @classmethod
     def stream_files(cls, manifest: dict) -> list[tuple[str, int]] | None:
@@ -204,8 +206,9 @@ class WdsReader(Reader):
 
     @classmethod
     def stream_file(cls, path: Path, extras: Sequence[Field] = (), where: object = None,
-                    wanted: Callable[[int], bool] | None = None) -> Iterator[StreamSample | None]:
-        return read_shard(path, extras, where, wanted)
+                    wanted: Callable[[int], bool] | None = None,
+                    stored: Sequence[Field] | None = None) -> Iterator[StreamSample | None]:
+        return read_shard(path, extras, where, wanted, stored)
 
     @classmethod
     def layout(cls, manifest: dict, source: RangeSource, where: str) -> Layout:
@@ -334,6 +337,12 @@ class WdsReader(Reader):
         self.open()
         return np.asarray(self.index["size"], dtype=np.int64)
 
+    def stored_shapes(self) -> np.ndarray | None:
+        if self.foreign is not None:
+            return None  # (0, 0, 0) for encoded images: their size is in their headers
+        self.open()
+        return np.asarray(self.index["shape"])
+
     def blocks(self, target_bytes: int) -> np.ndarray:
         """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
         self.open()
@@ -385,7 +394,8 @@ class WdsReader(Reader):
     def _member_problem(self, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, shard_no: int,
                         key_offset: int) -> list[str]:
         key, _, ext = member.name.partition(".")
-        meta = "packer.json" if any(f.name == "json" for f in self.extra_fields) else "json"
+        meta = "json" if self.manifest.get("format_version", 0) >= NAMED_FIELDS_VERSION or not any(
+            f.name == "json" for f in self.extra_fields) else "packer.json"  # version 2 moved it for a field json
         if ext not in ("cls", meta) or label_field(self.schema) is None or not key.isdigit():
             return []
         if not 0 <= int(key) - key_offset < len(self):

@@ -14,21 +14,21 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import PackerError, UsageError
-from ...fields import Field, extra_fields, fields_crc32, label_field
+from ...errors import PackerError
+from ...fields import Field, fields_crc32, label_field
 from ...images.transforms import Encoded
 from ...manifest import file_entry, fsync_dir
 from ..base import Writer, prefixed_entries
 from .members import (
     INDEX,
     INDEX_DTYPE,
+    NAMED_FIELDS_VERSION,
     PARTIAL_INDEX,
+    check_schema,
     image_ext,
     member_bytes,
     member_suffix,
-    meta_ext,
     npy_bytes,
-    schema_problem,
     shard_name,
 )
 
@@ -54,7 +54,7 @@ class WdsWriter(Writer):
         super().__init__(dest, spec, expected_count, options)
         schema = options.get("schema") or ()
         self.has_label = not schema or label_field(schema) is not None
-        self.meta_ext = meta_ext(self.extra_fields)
+        self.caption = check_schema(schema, options.get("caption")) if schema else None
         self.shard_bytes = options.get("shard_bytes") or (None if options.get("shard_samples") else DEFAULT_SHARD_BYTES)
         self.shard_samples = options.get("shard_samples") or default_shard_samples(
             expected_count, options.get("estimated_bytes", 0), self.shard_bytes or DEFAULT_SHARD_BYTES)
@@ -64,13 +64,6 @@ class WdsWriter(Writer):
         self.shards: list[dict[str, Any]] = []
         self.tar: tarfile.TarFile | None = None
         self.in_shard = 0
-
-    @classmethod
-    def check_schema(cls, schema: Sequence[Field], options: dict[str, Any] | None = None, where: object = "") -> None:
-        """The field names WebDataset members can hold (:func:`~.members.schema_problem`)."""
-        problem = schema_problem(extra_fields(schema), label_field(schema) is not None)
-        if problem:
-            raise UsageError(f"{where}{problem} (WebDataset; --format lmdb or hdf5 store any field name)")
 
     def _add(self, name: str, data: bytes) -> int:
         """Add one member; return the offset of its data in the shard."""
@@ -153,9 +146,10 @@ class WdsWriter(Writer):
         if self.extra_fields:
             info["fields_crc32"] = fields_crc32(extras)
         meta = json.dumps(info, sort_keys=True, ensure_ascii=False).encode("utf-8")
-        members.append((f"{keyname}.{self.meta_ext}", meta))
-        members += [(f"{keyname}.{member_suffix(field, image_ext(value) if field.dense else '')}",
-                     member_bytes(field, value)) for field, value in zip(self.extra_fields, extras, strict=True)]
+        members.append((f"{keyname}.json", meta))
+        for field, value in zip(self.extra_fields, extras, strict=True):  # a second image: under its own format
+            suffix = member_suffix(field, image_ext(value) if field.kind == "image" else "", self.caption)
+            members.append((f"{keyname}.{suffix}", member_bytes(field, value)))
         full = self.tar is not None and (
             self.in_shard >= self.shard_samples
             or (self.shard_bytes and self._size_after(*(len(m) for _, m in members)) > self.shard_bytes))
@@ -179,7 +173,21 @@ class WdsWriter(Writer):
         np.save(self.dest / INDEX, self.index[: self.count], allow_pickle=False)
         (self.dest / PARTIAL_INDEX).unlink(missing_ok=True)
         files = [file_entry(self.dest, s["path"]) for s in self.shards] + [file_entry(self.dest, INDEX)]
-        return {"files": files, "shards": self.shards}
+        return {"files": files, "shards": self.shards, **self.naming()}
+
+    def naming(self) -> dict[str, Any]:
+        """What the manifest says of the fields' member names: a dataset with fields is format_version 3 (see
+        :data:`~.members.NAMED_FIELDS_VERSION`; packers that read only 2 refuse it rather than misread it), and
+        ``caption`` names the field written as ``KEY.txt``."""
+        if not self.extra_fields:
+            return {}
+        return {"format_version": NAMED_FIELDS_VERSION, **({"caption": self.caption} if self.caption else {})}
+
+    @classmethod
+    def check_schema(cls, schema: Sequence[Field], options: dict[str, Any] | None = None, where: object = "") -> None:
+        """The field names WebDataset members can hold (:func:`~.members.check_schema`), and the caption
+        ``options["caption"]`` names."""
+        check_schema(schema, (options or {}).get("caption"), where)
 
     def abort(self) -> None:
         if self.tar is not None:
@@ -187,4 +195,6 @@ class WdsWriter(Writer):
 
     @classmethod
     def merge_parts(cls, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        return prefixed_entries(parts, ("files", "shards"))
+        first = next(iter(parts.values()), {})  # every part names its members alike
+        naming = {k: first[k] for k in ("format_version", "caption") if k in first}
+        return {**prefixed_entries(parts, ("files", "shards")), **naming}
