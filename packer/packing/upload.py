@@ -26,14 +26,13 @@ from ..manifest import JOURNAL, MANIFEST
 from ..remote.cache import Cache
 from ..remote.fetch import retrying
 from ..remote.fs import filesystem
-from ..remote.url import RemoteUrl, remote_url
+from ..remote.url import READ_ONLY, RemoteUrl, remote_url
 from .coordinator import TIMEOUT_ENV, Coordinator, detect
 from .dest import PART, PART_DIR
 from .driver import pack_folder
 from .lock import OutputLock
 from .options import pack_options
 
-READ_ONLY = ("http", "https")  # fsspec's HTTP filesystem cannot write
 DONE = ".packer-uploaded"  # under torchrun: a rank's part is uploaded
 
 

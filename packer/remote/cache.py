@@ -27,10 +27,12 @@ and abandoned downloads inside ``tmp/``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import re
 import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -59,25 +61,48 @@ def parse_limit(limit: int | str | None) -> int | None:
 
 
 class CacheFull(RemoteError):
-    """No room for an object within ``cache_limit``: what is cached is pinned by readers or downloads."""
+    """No room for an object within ``cache_limit``: what is cached is pinned by readers or downloads.
+    ``cache`` is the cache, ``seen`` a token of what it held (it changes as objects come and go)."""
+
+    def __init__(self, message: str, cache: Cache | None = None, seen: int = 0):
+        super().__init__(message)
+        self.cache, self.seen = cache, seen
+
+    def __reduce__(self):  # crosses to a DataLoader's main process as its message
+        return CacheFull, (str(self),)
 
 
-WAIT_FOR_ROOM = 120.0  # seconds a reader waits for room in a full cache (others' pins) before it gives up
+WAIT_FOR_ROOM = 120.0  # seconds a reader waits for room in a full cache where nothing comes or goes
+_OPPORTUNISTIC = contextvars.ContextVar("packer_cache_opportunistic", default=False)
 
 
 def when_room(obtain: Callable[[], Pin], wait: bool = True) -> Pin | None:
-    """``obtain()``; when the cache is full (others hold what it caches), with ``wait`` retried until they let go
-    (the :class:`CacheFull` after ``WAIT_FOR_ROOM`` seconds), else None at once."""
-    deadline = time.monotonic() + WAIT_FOR_ROOM
-    while True:
+    """``obtain()`` when the cache has room for it (see :class:`Cache`: the rule readers that share a cache
+    follow). Without ``wait`` (a fetch ahead of need): None at once when it has none, or when another reader
+    waits for room. With ``wait`` (a block or file a reader needs now): marked as waiting in the cache, so that
+    fetches ahead of need make way, and retried as others let go, for as long as what the cache holds changes;
+    the :class:`CacheFull` once nothing has come or gone for ``WAIT_FOR_ROOM`` seconds (a holder that is stuck)."""
+    if not wait:
+        token = _OPPORTUNISTIC.set(True)
         try:
             return obtain()
         except CacheFull:
-            if not wait:
-                return None
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return None
+        finally:
+            _OPPORTUNISTIC.reset(token)
+    deadline, seen = time.monotonic() + WAIT_FOR_ROOM, None
+    with contextlib.ExitStack() as waiting:
+        while True:
+            try:
+                return obtain()
+            except CacheFull as exc:
+                if exc.cache is not None and seen is None:
+                    waiting.enter_context(exc.cache.waiting())
+                if exc.seen != seen:  # others made progress: keep waiting
+                    deadline, seen = time.monotonic() + WAIT_FOR_ROOM, exc.seen
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
 
 # Descriptors a forked child closes at once: the cache's locks a thread holds while it fetches (a child that kept
@@ -142,14 +167,18 @@ class Cache:
         self.root = Path(root) if root is not None else default_cache_dir()
         self.limit = parse_limit(limit if limit is not None else os.environ.get("PACKER_CACHE_LIMIT"))
         try:
-            for sub in ("objects", "tmp", "locks", "views"):
+            for sub in ("objects", "tmp", "locks", "views", "waiting"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".writable-", dir=self.root / "tmp")  # a read-only mount says so now
+            os.close(fd)
+            os.unlink(probe)
         except OSError as exc:
-            raise RemoteError(f"{self.root}: cannot create the cache folder ({exc.strerror or exc}); set "
+            raise RemoteError(f"{self.root}: cannot write the cache folder ({exc.strerror or exc}); set "
                               "PACKER_CACHE_DIR or pass cache_dir to a writable folder") from None
         # the folders as strings, from the resolved root: every fetch scans and names files in them
         real = os.path.realpath(self.root)
-        self._objects, self._tmp, self._locks = (os.path.join(real, sub) for sub in ("objects", "tmp", "locks"))
+        self._objects, self._tmp, self._locks, self._waiting = (os.path.join(real, sub) for sub in
+                                                                ("objects", "tmp", "locks", "waiting"))
         self._eviction: tuple[int, int, threading.Lock] | None = None  # (pid, evict.lock's fd, a thread lock)
 
     def object_path(self, sha256: str) -> Path:
@@ -165,6 +194,42 @@ class Cache:
         parts = [p[:60] for p in parts] or ["dataset"]
         parts[-1] = f"{parts[-1]}-{digest}"
         return self.root.joinpath("views", *parts)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark this thread as waiting for room (a locked file in ``waiting/``) until the block ends: fetches
+        ahead of need, in any process, make no room for themselves meanwhile (:func:`when_room`)."""
+        path = f"{self._waiting}/{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        while True:  # a scan may take a file not yet locked for a dead waiter's, and remove it: make it anew
+            fd = _open(path, os.O_RDWR | os.O_CREAT)
+            lock_file(fd)
+            if file_is_at(fd, path):
+                break
+            _close(fd)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            _close(fd)
+
+    def _others_wait(self) -> bool:
+        """Whether a reader (of any process) waits for room: a file in ``waiting/`` whose lock is held (one whose
+        holder died is free, and removed)."""
+        with contextlib.suppress(OSError), os.scandir(self._waiting) as found:
+            for entry in found:
+                try:
+                    fd = _open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError:
+                    continue
+                try:
+                    if not lock_file(fd, exclusive=False, blocking=False):
+                        return True
+                    with contextlib.suppress(OSError):  # a waiter that died: its file goes
+                        os.unlink(entry.path)
+                finally:
+                    _close(fd)
+        return False
 
     def pin(self, sha256: str, inherited: bool = True) -> Pin | None:
         """A :class:`Pin` on the cached object, or None when it is not cached."""
@@ -295,6 +360,9 @@ class Cache:
                               f"{self.limit:,}; raise cache_limit above the dataset's largest file")
         entries = sorted(self.entries())
         total = sum(s for _, s, _ in entries)
+        seen = hash(frozenset(path for _, _, path in entries))
+        if _OPPORTUNISTIC.get() and total + size > self.limit and self._others_wait():
+            raise CacheFull(f"{self.root}: a reader waits for room", self, seen)  # a fetch ahead makes way
         for _, bytes_, path in entries:
             if total + size <= self.limit:
                 return
@@ -302,8 +370,9 @@ class Cache:
                 total -= bytes_
         if total + size > self.limit:
             raise CacheFull(f"{self.root}: cannot fit {size:,} more bytes within cache_limit {self.limit:,}: "
-                              f"{total:,} bytes are in use by open datasets or downloads; raise cache_limit, or "
-                              "read with packer.stream, which holds one shard per worker")
+                            f"{total:,} bytes are in use by open datasets or downloads, and none came or went for "
+                            f"{WAIT_FOR_ROOM:.0f} s; raise cache_limit, or read with packer.stream, which holds one "
+                            "shard per worker", self, seen)
 
     def _evict(self, path: str) -> bool:
         """Delete one object (or abandoned download) that no process holds; False when one does."""

@@ -10,7 +10,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import PackerError, UrlError
+from ..errors import PackerError, RemoteError, UrlError
 from ..install_hints import pip_hint
 
 _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
@@ -72,8 +72,26 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
+def unreachable(exc: BaseException) -> BaseException | None:
+    """The connection failure behind ``exc`` (refused, reset, a name that does not resolve, a timeout), if that is
+    what it is: fsspec's HTTP filesystem reports a request that never reached a server as ``FileNotFoundError``,
+    the failure as its cause. None for an answer from a server (a 404 is a status in the chain)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if _status(seen) is not None:
+            return None
+        names = " ".join(c.__name__ for c in type(seen).__mro__)
+        if isinstance(seen, (ConnectionError, TimeoutError)) or "Connector" in names or "gaierror" in names:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying may help: 500/502/503/504, 408/429, connection resets, timeouts, bodies cut short."""
+    """Whether retrying may help: 500/502/503/504, 408/429, connection resets, timeouts, bodies cut short, a
+    server that could not be reached."""
+    if unreachable(exc) is not None:
+        return True
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
@@ -99,6 +117,11 @@ def storage_error(exc: BaseException, url: str, what: str = "read") -> PackerErr
                         "AWS_PROFILE (and AWS_ENDPOINT_URL for an S3-compatible store), and the bucket's policy")
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return UrlError(f"{url}: no such bucket; create it, or check the URL (and AWS_ENDPOINT_URL)")
+    cause = unreachable(exc)
+    if cause is not None:
+        why = " ".join(str(cause).split())[:200] or type(cause).__name__
+        return RemoteError(f"{url}: cannot connect ({type(cause).__name__}: {why}); check the URL and the network, "
+                           "and that the server is up, then retry")
     if isinstance(exc, FileNotFoundError) or status == 404:
         return UrlError(f"{url}: not found; check the bucket and path")
     return PackerError(f"{url}: cannot {what} ({name}: {text}); check the network and the storage, then retry")

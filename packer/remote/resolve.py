@@ -24,7 +24,7 @@ from ..manifest import MANIFEST, max_manifest_bytes, parse_manifest
 from .cache import Cache, Pin, when_room
 from .fetch import download, read_bytes
 from .fs import filesystem
-from .url import RemoteUrl, remote_url
+from .url import READ_ONLY, RemoteUrl, remote_url
 
 FETCH_THREADS = 8
 _HELD: dict[Path, list[Pin]] = {}  # view -> the pins that keep its files cached while this process reads them
@@ -40,6 +40,8 @@ def remote_manifest(remote: RemoteUrl, storage_options: dict | None = None) -> t
     except UrlError as exc:
         if "not found" not in str(exc):
             raise
+        if remote.protocol in READ_ONLY:  # packer cannot pack to it: there is nothing to resume either
+            raise UrlError(f"{remote.url}: no packed dataset here (no {MANIFEST}); check the URL") from None
         raise UrlError(f"{remote.url}: no packed dataset here (no {MANIFEST}); pack one with `packer pack SRC "
                        f"{remote.url}`, or finish an interrupted upload with --resume") from None
     manifest = parse_manifest(text, url)
@@ -116,7 +118,8 @@ def resolve_fetched(remote: RemoteUrl, manifest: dict, text: bytes, storage_opti
 
     def fetch_entry(entry: dict) -> Pin | None:
         try:
-            pin = fetch_file(cache, remote, entry, storage_options)
+            pin = when_room(lambda: fetch_file(cache, remote, entry, storage_options))
+            assert pin is not None  # waited for room
         except RemoteError as exc:
             if damaged is None:
                 raise

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from ..errors import UrlError
 
+READ_ONLY = ("http", "https")  # fsspec's HTTP filesystem cannot write: packer reads datasets there, never packs
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(//)?(.*)", re.DOTALL)  # two letters at least: not "C:"
 
 

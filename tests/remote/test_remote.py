@@ -134,7 +134,7 @@ def test_http_read_and_verify_give_the_local_samples(fmt, http_packs, local_pack
     if fmt == "wds":  # the command once: each run starts a Python
         proc = run_packer("verify", url, "--deep")
         assert_ok(proc)
-        assert proc.stdout.strip() == f"{url}: ok (every sample decoded)"
+        assert proc.stdout.strip() == f"{url}: ok (every sample and field decoded)"
 
 
 def test_repack_from_a_url(s3_packs, local_packs, tmp_path):
