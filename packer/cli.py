@@ -248,7 +248,8 @@ def export(dest, out, overwrite, quiet) -> None:
 
 @main.command()
 @click.argument("dest", type=click.Path(path_type=str))
-@click.option("--deep", is_flag=True, help="Also check every sample's checksum, decode it, check shape and label.")
+@click.option("--deep", is_flag=True,
+              help="Also check every sample's checksum, decode it and its fields, check shape and label.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
 def verify(dest, deep, quiet) -> None:
@@ -261,7 +262,7 @@ def verify(dest, deep, quiet) -> None:
     if problems:
         click.echo(f"packer: {dest}: {len(problems)} problem(s) found; re-pack the dataset", err=True)
         sys.exit(1)
-    click.echo(f"{dest}: ok ({'every sample decoded' if deep else 'files, checksums and counts'})")
+    click.echo(f"{dest}: ok ({'every sample and field decoded' if deep else 'files, checksums and counts'})")
 
 
 @main.command()

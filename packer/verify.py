@@ -2,8 +2,9 @@
 
 Quick checks: the manifest parses; every data file exists with the size and sha256 the manifest gives; the
 sample count agrees with the data. Where a file's checksum is wrong, each of its samples' crc32 is checked so
-the broken ones are named. ``deep=True`` also checks every sample's crc32, decodes it, and checks its shape and
-label.
+the broken ones are named (the crc32 of the image and of its fields). ``deep=True`` also checks every sample's
+crc32 and its fields', decodes it and every field (a mask must have its image's size, and no stored image or
+mask may declare more than ``max_pixels``), and checks its shape and label.
 
 A URL: every data file is fetched afresh into a temporary cache (deleted afterwards: a sound copy in the shared
 cache, whose objects are named by their sha256, says nothing about the remote objects) and checked against the
@@ -24,6 +25,7 @@ from .errors import PackerError
 from .formats import Reader, open_reader
 from .manifest import label_bounds, read_local_manifest, sha256_file
 from .reading.decoding import Decoding
+from .reading.fields import FieldDecoder
 from .remote import parse_url
 from .remote.cache import Cache
 from .remote.resolve import release, resolve
@@ -34,7 +36,7 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
 
     Args:
         dest: the dataset folder, or its URL (``s3://bucket/ds``, ``https://...``).
-        deep: also check every sample's crc32, decode it, and check its shape and label.
+        deep: also check every sample's crc32, decode it and its fields, and check its shape and label.
         progress: show progress bars on stderr when it is a terminal (the files' bytes, then the samples).
 
     Returns:
@@ -108,6 +110,7 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
     low, high = label_bounds(manifest)
     shape = manifest.get("shape")
     decoding = Decoding(reader)
+    fields = FieldDecoder(reader.schema, reader.schema)  # deep: every field decoded, a mask against its image
     for i in tqdm(range(len(reader)), desc="decoding samples" if deep else "checking samples", unit="img",
                   disable=None if progress else True, leave=False):
         if not deep and reader.sample_file(i) not in damaged_files:
@@ -122,9 +125,9 @@ def _check_samples(reader: Reader, manifest: dict, deep: bool, damaged_files: se
                 problems.append(f"{where}: label {sample.label} is not a class index ({low}..{high - 1})")
             else:
                 reader.check_label(i, sample.label)
-            reader.read_fields(i, verify=True)  # the extra fields' checksum
+            raw = reader.read_fields(i, verify=True)  # the extra fields' checksum
             if deep:
-                arr = decoding.decode_array(i, sample)
+                arr = fields.sample_values(decoding, i, sample, raw, 0)["image"]
                 if tuple(arr.shape) != tuple(sample.shape):
                     problems.append(f"{where}: decodes to {tuple(arr.shape)}, recorded as {tuple(sample.shape)}")
                 elif shape and tuple(arr.shape) != tuple(shape):

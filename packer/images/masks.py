@@ -92,7 +92,13 @@ def convert_mask(path: str, name: str, spec: TransformSpec, pixels: str, image_s
         image_size: the (width, height) of its image before the transform: the mask must have it.
         field: the table column, for advice in errors.
     """
-    array = mask_array(read_source_file(path, name), name, pixels, field, image_size)
+    return convert_mask_bytes(read_source_file(path, name), name, spec, pixels, image_size, field)
+
+
+def convert_mask_bytes(data: bytes, name: str, spec: TransformSpec, pixels: str, image_size: tuple[int, int],
+                       field: str | None = None) -> bytes:
+    """:func:`convert_mask` of a mask file's bytes (a Hugging Face dataset's cell)."""
+    array = mask_array(data, name, pixels, field, image_size)
     img = Image.fromarray(array)  # L for uint8, I;16 for uint16 (Pillow 13 refuses the mode given with uint16)
     img = apply_geometry(img, spec.resize, spec.max_size, spec.center_crop, "nearest")
     buf = io.BytesIO()
@@ -104,10 +110,29 @@ _PNG = b"\x89PNG\r\n\x1a\n"
 _GRAY_DEPTH = {"uint8": 8, "uint16": 16}  # bit depth of a grayscale PNG (colour type 0) whose values are pixels
 
 
-def decode_mask(data: bytes | memoryview, name: str, pixels: str) -> np.ndarray:
+def stored_size(data: bytes | memoryview, name: str) -> tuple[int, int]:
+    """The (width, height) a stored image file declares, from its header alone (a PNG's IHDR, else Pillow's
+    lazy open); an :class:`ImageError` naming ``name`` when it has none."""
+    head = bytes(data[:24])
+    if head[:8] == _PNG and head[12:16] == b"IHDR":
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as img:
+            return img.size
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageError(name, f"cannot decode the mask ({exc})") from None
+
+
+def decode_mask(data: bytes | memoryview, name: str, pixels: str, max_pixels: int | None = None) -> np.ndarray:
     """A stored mask's values, (H, W). The grayscale PNGs :func:`convert_mask` writes are decoded by OpenCV
     (faster than Pillow, and the values of a grayscale PNG of that depth are exactly the pixels); any other
-    file (a palette PNG from another tool, a TIFF, a damaged file) through :func:`mask_array`."""
+    file (a palette PNG from another tool, a TIFF, a damaged file) through :func:`mask_array`. A mask whose
+    header declares more than ``max_pixels`` pixels is an :class:`ImageError`, before anything is decoded."""
+    if max_pixels is not None:
+        width, height = stored_size(data, name)
+        if width * height > max_pixels:
+            raise ImageError(name, f"the mask declares {width}x{height}, over the {max_pixels:,}-pixel limit; the "
+                                   "stored mask is damaged or hostile, re-pack")
     head = bytes(data[:26])
     if head[:8] == _PNG and head[12:16] == b"IHDR" and head[25] == 0 and head[24] == _GRAY_DEPTH.get(pixels):
         array = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)

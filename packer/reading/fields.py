@@ -56,6 +56,18 @@ def select_fields(schema: Sequence[Field], fields: Sequence[str] | str | None) -
     return [by_name[name] for name in names]
 
 
+def decode_value(field: Field, data: bytes | memoryview, where: str) -> Any:
+    """:func:`packer.fields.decode` of a stored value of sample ``where`` (``"ROOT sample 7"``); bytes that do not
+    decode as their field (damaged UTF-8, JSON, numbers) are one :class:`CorruptDataError` naming the dataset,
+    sample and field, never a raw decode error."""
+    try:
+        return decode(field, data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = " ".join(str(exc).split())[:200]
+        raise CorruptDataError(f"{where} field {field.name!r}: the stored {field.kind} value is damaged ({reason}); "
+                               "run `packer verify` and re-pack") from None
+
+
 def mask_dtype(field: Field) -> np.dtype:
     """The batch dtype of a mask field: uint8 for uint8 masks, int64 for uint16 ones (torch's uint16 has few
     operations)."""
@@ -142,7 +154,7 @@ class FieldDecoder:
         """One stored field value decoded: a dense field through the sample's ``geometry`` (into ``out`` when
         given), anything else with :func:`packer.fields.decode`."""
         if not field.dense:
-            return decode(field, data)
+            return decode_value(field, data, d.reader.describe(index))
         assert geometry is not None  # given whenever the sample has a dense field
         if field.kind == "mask":
             return self.mask(d, index, field, data, geometry, out)
@@ -156,14 +168,15 @@ class FieldDecoder:
              out: np.ndarray | None = None) -> np.ndarray:
         """A mask field with the sample's geometry, resampled by nearest neighbour: exact stored values."""
         name = self._describe(d, index, field)
-        mask = decode_mask(data, name, field.pixels or "uint8")
+        mask = decode_mask(data, name, field.pixels or "uint8", d.max_pixels)
         full, window = geometry
-        sy, sx = mask.shape[0] / full[0], mask.shape[1] / full[1]
+        if mask.shape != full:
+            raise CorruptDataError(f"{name}: the mask is {mask.shape[1]}x{mask.shape[0]}, its image {full[1]}x"
+                                   f"{full[0]}; a mask has its image's size, re-pack")
         flipped = window is not None and window.flipped
         if d.random_resized_crop is not None:
             assert window is not None  # a random resized crop augments: every sample has a window
-            box = (window.left * sx, window.top * sy, (window.left + window.width) * sx,
-                   (window.top + window.height) * sy)
+            box = (window.left, window.top, window.left + window.width, window.top + window.height)
             result = nearest_box(mask, box, d.random_resized_crop, flipped)
         elif d.resize or d.center_crop:
             region = center_box(full, d.resize, d.center_crop)
@@ -171,8 +184,8 @@ class FieldDecoder:
                 resized = np.asarray(apply_geometry(Image.fromarray(mask), d.resize, None, d.center_crop, "nearest"))
                 result = resized[:, ::-1] if flipped else resized
             else:
-                (left, top, right, bottom), size, _ = region
-                result = nearest_box(mask, (left * sx, top * sy, right * sx, bottom * sy), size, flipped)
+                box, size, _ = region
+                result = nearest_box(mask, box, size, flipped)
         else:
             result = mask[:, ::-1] if flipped else mask
         return write_into(out, result, lambda got, want: f"{name}: the mask comes out {got}, its image {want}; "

@@ -68,9 +68,11 @@ def sample_values(i: int) -> dict:
     }
 
 
-def write_dataset(dest: Path, fmt: str, schema: list[Field], count: int = COUNT) -> list[dict]:
+def write_dataset(dest: Path, fmt: str, schema: list[Field], count: int = COUNT,
+                  stored: dict[tuple[int, str], bytes] | None = None) -> list[dict]:
     """A packed dataset of ``schema`` written through ``fmt``'s Writer with extras, images stored PNG (lossless,
-    so pixels compare exactly); returns each sample's values."""
+    so pixels compare exactly); returns each sample's values. ``stored`` replaces the stored bytes of (sample,
+    field): what another writer, or a hostile one, might have stored."""
     dest.mkdir(parents=True)
     spec = TransformSpec(store="png")
     writer_class, _ = get_format(fmt)
@@ -86,6 +88,7 @@ def write_dataset(dest: Path, fmt: str, schema: list[Field], count: int = COUNT)
         for field in extra_fields(schema):
             value = values[field.name]
             extras.append(png(value) if field.kind in ("mask", "image") else encode(field, value))
+            extras[-1] = (stored or {}).get((i, field.name), extras[-1])
         label = values["label"] if has_label else -1
         writer.write(label, f"{classes[label] if has_label else 'all'}/s{i}.png", item, tuple(extras))
     entries = writer.close()
