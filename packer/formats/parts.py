@@ -193,6 +193,12 @@ class PartedReader(Reader):
         return np.concatenate([reader.blocks(target_bytes) + int(first)
                                for reader, first in zip(self.readers, self.starts[:-1], strict=True)])
 
+    def stored_shapes(self) -> np.ndarray | None:
+        shapes = [reader.stored_shapes() for reader in self.readers]
+        if any(s is None for s in shapes):
+            return None
+        return np.concatenate(shapes) if shapes else np.zeros((0, 3), np.int64)
+
     def relpath(self, index: int) -> str:
         p, local = self.locate(index)
         return self.readers[p].relpath(local)

@@ -57,7 +57,7 @@ from ..reading.dataset import PackedBatch
 from ..state import CountingIterator, Progress
 from ..system import die_with_parent
 from .fetchahead import FetchAhead, WorkerMaps, blocked_reader, cache_short_of, say_once
-from .plan import LoaderPlan, plan_loader
+from .plan import LoaderPlan, plan_loader, varying_sizes
 from .sampler import BLOCKS, ResumableSampler
 from .tuned import tuned_settings
 from .workers import WorkerPool
@@ -420,6 +420,9 @@ def make_loader(dataset: Dataset, batch_size: int | None = None, shuffle: bool |
     batch_size = 64 if batch_size is None else batch_size
     ours = {"collate_fn": (collate,), "worker_init_fn": (None, seed_worker)}  # packer's own: not the caller's
     given = {k: v for k, v in overrides.items() if not any(v is own for own in ours.get(k, ()))}
+    refusal = varying_sizes(dataset, batch_size, given)
+    if refusal is not None:
+        raise UsageError(refusal)
     plan = plan_loader(dataset, batch_size, threads=threads, prefetch_batches=prefetch_batches, overrides=given,
                        tuned=tuned_settings(dataset) if tuned else None)
     if plan.tuned:

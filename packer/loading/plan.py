@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from ..reading.batches import BatchDataset
@@ -116,6 +117,30 @@ def pool_refusal(dataset: Any, overrides: Mapping[str, Any]) -> str | None:
     if dataset.batch_layout() is None:
         return "images of varying size (no read-time crop)"
     return None
+
+
+def varying_sizes(dataset: Any, batch_size: int, overrides: Mapping[str, Any]) -> str | None:
+    """Why ``dataset``'s batches cannot be made, said before the first one: a packer dataset decoded without any
+    read-time geometry, whose stored images (as its index records them) are of several sizes, batched by
+    packer's collate (no ``collate_fn``, ``batch_sampler`` or per-item ``transform`` of the caller's, which may
+    make them one size) more than one at a time. None when they can be, or where the format keeps no index of
+    the sizes (the first batch then says so)."""
+    if not isinstance(dataset, PackedDataset) or not dataset.decode or dataset.transform is not None:
+        return None
+    if batch_size < 2 or {"collate_fn", "batch_sampler"} & set(overrides) or dataset.batch_layout() is not None:
+        return None
+    if dataset.resize or dataset.center_crop or dataset.random_resized_crop:
+        return None  # a resize alone may give one size: the batches tell
+    shapes = dataset.reader.stored_shapes()
+    if shapes is None or not len(shapes):
+        return None
+    sizes = np.unique(np.asarray(shapes)[:, :2], axis=0)
+    if len(sizes) < 2:
+        return None
+    seen = ", ".join(f"{int(w)}x{int(h)}" for h, w in sizes[:3].tolist())
+    return (f"{dataset.root}: images of {len(sizes)} sizes ({seen}{'...' if len(sizes) > 3 else ''}) cannot be "
+            "batched; pass resize= and center_crop= (or random_resized_crop=) to open_dataset, a collate_fn of your "
+            "own to make_loader, or batch_size=1")
 
 
 def _no_default_pool(dataset: BatchDataset, overrides: Mapping[str, Any], cores: int, batch_size: int,

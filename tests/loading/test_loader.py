@@ -474,6 +474,24 @@ def test_images_of_different_sizes_name_the_fix(pack, workers):
         next(iter(loader))
 
 
+@pytest.mark.parametrize("fmt", ["hdf5", "wds"])
+def test_images_of_different_sizes_are_refused_before_the_first_batch(pack, fmt):
+    """Where the format indexes each image's size, make_loader says at once what to pass (LMDB keeps no such
+    index: its first batch says it, above)."""
+    ds = packer.open_dataset(pack(fmt, "raw_var"))
+    with pytest.raises(packer.PackerError, match=r"images of \d+ sizes \(.*\) cannot be batched; pass resize= and "
+                                                 r"center_crop= \(or random_resized_crop=\) to open_dataset, a "
+                                                 r"collate_fn of your own to make_loader, or batch_size=1") as exc:
+        packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=0)
+    assert "\n" not in str(exc.value)
+    assert len(list(packer.make_loader(ds, batch_size=1, shuffle=False, num_workers=0))) == len(ds)
+    listed = packer.make_loader(ds, batch_size=BATCH, shuffle=False, num_workers=0, collate_fn=lambda b: b)
+    assert sum(len(batch) for batch in listed) == len(ds)
+    cropped = packer.open_dataset(pack(fmt, "raw_var"), resize=32, center_crop=32)
+    images, _ = next(iter(packer.make_loader(cropped, batch_size=BATCH, shuffle=False, num_workers=0)))
+    assert tuple(images.shape[1:]) == (3, 32, 32)
+
+
 BREAK_AND_EXIT = """
 import sys, packer
 loader = packer.make_loader(packer.open_dataset(sys.argv[1], random_resized_crop=48, flip=True), batch_size=4)

@@ -389,6 +389,10 @@ class Hdf5Reader(Reader):
         """Byte ranges of the images dataset: from the offsets, or the fixed size of a raw image."""
         return blocks_by_size(self.stored_sizes(), target_bytes)
 
+    def stored_shapes(self) -> np.ndarray | None:
+        self.open()
+        return np.asarray(self.shapes)
+
     def relpath(self, index: int) -> str:
         self.open()
         return self.file["relpaths"].asstr()[index]
