@@ -15,10 +15,13 @@ half-written OUT. It may not be, hold or be inside the dataset or the folder it 
 
 A dataset with fields (packed from an annotation table or foreign shards) is exported as a table instead:
 ``OUT/annotations.csv``, one row per sample, beside the images it names: the image at its relative path, each
-mask or second image at ``OUT/<field>/<relative path>`` (the stored bytes: masks stay lossless PNG), the class
-by name, numbers as they are (float32 values in the shortest text that reads back to the same float32), vectors
-and JSON as JSON text. ``packer pack OUT/annotations.csv NEW`` with the options the result's ``command`` gives
-packs it back to the same samples. A ``bytes`` field has no place in a CSV cell, and is refused.
+mask or second image at ``OUT/<field>/<image's path><its suffix>`` (``mask/a/x.jpg.png``: the stored bytes,
+masks lossless PNG), the class by name, numbers as they are (float32 values in the shortest text that reads
+back to the same float32: ``1.7``), vectors and JSON as JSON text. Every path is unique by construction: where
+an image's path takes the table's name or a field's folder (as a file or a folder), the table or the folder
+takes the next free name (``annotations-2.csv``, ``mask-2``). The result's ``command`` (``packer pack TABLE NEW
+--format FMT --no-shuffle --field ...``) packs it back to the same samples in the same order, with the stored
+bytes where the store keeps them. A ``bytes`` field has no place in a CSV cell, and is refused.
 
 (The module is ``packer.exports.folder``, not ``packer.export``: a submodule of that name would shadow the
 ``packer.export`` function once imported.)
@@ -27,6 +30,7 @@ packs it back to the same samples. A ``bytes`` field has no place in a CSV cell,
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import os
@@ -39,15 +43,17 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from ..errors import CorruptDataError, DestinationError, PackerError
-from ..fields import NUMERIC, Field, decode, extra_fields, is_pair_schema, label_field, schema_of
+from ..fields import NUMERIC, Field, extra_fields, is_pair_schema, label_field, schema_of
 from ..formats import open_reader
 from ..formats.base import Reader
-from ..images.transforms import is_image_file, to_pil
+from ..images.transforms import EXTENSION_BY_FORMAT, TransformSpec, is_image_file, to_pil
 from ..manifest import is_safe_name, is_safe_relpath
 from ..packing.dest import check_output, export_problems, prepare_output
+from ..reading.fields import decode_value
 from ..system import usable_cores
 
 SUFFIXES = {"jpeg": (".jpg", ".jpeg"), "png": (".png",), "raw": (".png",)}
@@ -200,6 +206,14 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     return {"out": str(out), "count": len(reader), "classes": len(classes), "renamed": renamed}
 
 
+def _number_text(kind: str, value: object) -> str:
+    """One number as the table's text: an int64 as its digits, a float32 as the shortest text that reads back to
+    the same float32 (``1.7``, not ``1.7000000476837158``)."""
+    if kind == "float32":
+        return str(np.float32(value))  # numpy's shortest round-trip repr of the float32
+    return str(int(value))  # type: ignore[call-overload]
+
+
 def _cell(field: Field, value: object) -> str:
     """A decoded field value as the table's text: what the table source reads back as the same value."""
     if field.kind == "text":
@@ -207,28 +221,32 @@ def _cell(field: Field, value: object) -> str:
         return value
     if field.kind == "json":
         return json.dumps(value, sort_keys=True, ensure_ascii=False)
-    if field.kind in ("int64", "float32") or field.kind == "class":
+    if field.kind in NUMERIC:
         arr = np.asarray(value)
-        items = arr.tolist()  # float32 -> the Python float of the same value: its repr reads back to it
-        return json.dumps(items) if arr.ndim else repr(items)
+        if arr.ndim:
+            return "[" + ", ".join(_number_text(field.kind, v) for v in arr.tolist()) + "]"
+        return _number_text(field.kind, arr.item())
     raise PackerError(f"field {field.name!r} holds {field.kind}, which a CSV cell cannot carry; read it with "
                       "packer.open_dataset instead of exporting it")
 
 
 def _image_suffix(data: bytes) -> str:
-    """The file extension of encoded image bytes, from their signature."""
-    if data[:2] == b"\xff\xd8":
-        return ".jpg"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
+    """The file extension of encoded image bytes, from their header (``.png`` when Pillow cannot tell)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return "." + EXTENSION_BY_FORMAT.get(image.format or "", (image.format or "png").lower())
+    except (OSError, ValueError, Image.DecompressionBombError):  # its header alone says what it is
         return ".png"
-    return ".webp" if data[8:12] == b"WEBP" else ".png"
 
 
-def pack_command(out: Path, schema: list[Field]) -> str:
-    """The ``packer pack`` command that packs an exported table back to the same samples (each field's type
-    given, so that no value is typed from its text)."""
+def pack_command(out: Path, schema: list[Field], spec: TransformSpec, fmt: str, table: str = TABLE) -> str:
+    """The ``packer pack`` command that packs an exported table back to the same samples, in the same order
+    (``--no-shuffle``), each field's type given so that no value is typed from its text, the mode of a dataset
+    not in RGB, and ``--store raw`` for a dataset of raw pixels, whose export holds lossless PNGs of them."""
     label = label_field(schema)
-    parts = ["packer", "pack", str(out / TABLE), "NEW"]
+    parts = ["packer", "pack", str(out / table), "NEW", "--format", fmt, "--no-shuffle"]
+    parts += ["--store", "raw"] if spec.store == "raw" else []
+    parts += ["--mode", spec.mode] if spec.mode != "RGB" else []
     if label is not None:
         parts += ["--label-column", label.name]
     for field in extra_fields(schema):
@@ -237,41 +255,69 @@ def pack_command(out: Path, schema: list[Field]) -> str:
     return shlex.join(parts)
 
 
+def _free_name(name: str, taken: set[str]) -> str:
+    """``name`` if no exported path takes it (as a file or a folder), else ``annotations-2.csv``,
+    ``mask-2``...; added to ``taken``."""
+    path = PurePosixPath(name)
+    candidates = itertools.chain([name], (f"{path.stem}-{k}{path.suffix}" for k in itertools.count(2)))
+    chosen = next(c for c in candidates if c not in taken)
+    taken.add(chosen)
+    return chosen
+
+
+def _table_layout(reader: Reader, extras: list[Field]) -> tuple[list[str], int, str, dict[str, str]]:
+    """Where a table export writes each thing, every path unique by construction: each image at its relative
+    path (renamed where its store changed its encoding, never onto another's), the table and one folder per
+    image or mask field at names no image path takes as a file or a folder; a field's file of sample ``i`` is
+    ``FOLDER/<image's path><its own suffix>`` (``mask/a/x.jpg.png``), unique as the image paths are.
+
+    Returns:
+        The image paths by sample, how many were renamed, the table's name and each dense field's folder."""
+    relpaths = [reader.relpath(i) for i in range(len(reader))]
+    for i, rel in enumerate(relpaths):
+        if not is_safe_relpath(rel, normalized=True):
+            raise CorruptDataError(f"{reader.describe(i)}: relative path {rel!r} is absolute or has '..'; refusing "
+                                   "to export it")
+    kept, written = set(relpaths), set()
+    allowed = SUFFIXES.get(reader.spec.store)
+    targets, renamed = [], 0
+    for i, rel in enumerate(relpaths):
+        target = rel
+        if allowed and PurePosixPath(rel).suffix.lower() not in allowed:
+            target = _unused_name(rel, allowed[0], lambda name: name in written or name in kept)
+            renamed += 1
+        if target in written:
+            raise PackerError(f"{reader.describe(i)}: two samples would be exported to {target!r}; the dataset holds "
+                              "the same relative path twice")
+        written.add(target)
+        targets.append(target)
+    taken = {str(parent) for t in targets for parent in PurePosixPath(t).parents} | written
+    table = _free_name(TABLE, taken)
+    folders = {f.name: _free_name(f.name, taken) for f in extras if f.dense}
+    return targets, renamed, table, folders
+
+
 def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], overwrite: bool,
                   progress: bool) -> dict[str, Any]:
-    """Export a dataset with fields as images and ``annotations.csv`` (see the module docstring)."""
+    """Export a dataset with fields as images and a table (see the module docstring and :func:`_table_layout`)."""
     extras = extra_fields(schema)
     label = label_field(schema)
     for field in extras:
         if field.kind == "bytes":
             raise PackerError(f"{dest}: field {field.name!r} holds bytes, which a CSV cell cannot carry; read it "
                               "with packer.open_dataset instead of exporting it")
-    _check_out(out, dest, reader.manifest, overwrite, (TABLE,))
+    targets, renamed, table_name, folders = _table_layout(reader, extras)
+    _check_out(out, dest, reader.manifest, overwrite, (table_name,))
     columns = ["image", *([label.name] if label is not None else []), *(f.name for f in extras)]
     partial = _partial_folder(out)
-    written: set[str] = set()
-    renamed = 0
     bar = tqdm(total=len(reader), unit="img", disable=not progress, desc=f"exporting {reader.format}",
                dynamic_ncols=True)
     try:
-        with open(partial / TABLE, "w", newline="", encoding="utf-8") as table:
+        with open(partial / table_name, "w", newline="", encoding="utf-8") as table:
             rows = csv.DictWriter(table, columns)
             rows.writeheader()
-            for i in range(len(reader)):
-                rel = reader.relpath(i)
-                if not is_safe_relpath(rel, normalized=True) or rel.split("/", 1)[0] in {f.name for f in extras}:
-                    raise CorruptDataError(f"{reader.describe(i)}: relative path {rel!r} is absolute, has '..' or "
-                                           "starts with a field's folder; refusing to export it")
+            for i, target in enumerate(targets):
                 data, stored_label = reader.raw_sample(i)
-                allowed = SUFFIXES.get(reader.spec.store)
-                target = rel
-                if allowed and PurePosixPath(rel).suffix.lower() not in allowed:
-                    target = _unused_name(rel, allowed[0], lambda name: name in written)
-                    renamed += 1
-                if target in written:
-                    raise PackerError(f"{reader.describe(i)}: two samples would be written to {out / target}; the "
-                                      "dataset holds the same relative path twice")
-                written.add(target)
                 _write(partial / target, data)
                 row = {"image": target}
                 if label is not None:
@@ -279,18 +325,19 @@ def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], ov
                         raise CorruptDataError(f"{reader.describe(i)}: label {stored_label} is not a class index; "
                                                "run `packer verify`")
                     row[label.name] = reader.classes[stored_label]
-                raw = reader.read_fields(i)
+                raw = reader.read_fields(i)  # each field decoded (a damaged one named), then their checksum checked
                 for field in extras:
-                    if field.kind in ("mask", "image"):
+                    if field.dense:
                         payload = bytes(raw[field.name])
-                        path = str(PurePosixPath(field.name) / PurePosixPath(rel).with_suffix(_image_suffix(payload)))
+                        path = f"{folders[field.name]}/{target}{_image_suffix(payload)}"
                         _write(partial / path, payload)
                         row[field.name] = path
                     else:
-                        row[field.name] = _cell(field, decode(field, raw[field.name]))
+                        row[field.name] = _cell(field, decode_value(field, raw[field.name], reader.describe(i)))
+                reader.check_fields(i, list(raw.values()))
                 rows.writerow(row)
                 bar.update()
-        prepare_output(out, overwrite, lambda path: export_problems(path, is_image_file, (TABLE,)),
+        prepare_output(out, overwrite, lambda path: export_problems(path, is_image_file, (table_name,)),
                        "previous export")
         os.replace(partial, out)
     except OSError as exc:
@@ -300,4 +347,5 @@ def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], ov
         bar.close()
         shutil.rmtree(partial, ignore_errors=True)
     return {"out": str(out), "count": len(reader), "classes": len(reader.classes), "renamed": renamed,
-            "table": str(out / TABLE), "command": pack_command(out, schema)}
+            "table": str(out / table_name),
+            "command": pack_command(out, schema, reader.spec, reader.format, table_name)}

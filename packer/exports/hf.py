@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PackerError
-from ..fields import NUMERIC, Field, decode, extra_fields, label_field
+from ..fields import NUMERIC, Field, extra_fields, label_field
 from ..formats import open_reader
 from ..images.transforms import to_pil
+from ..reading.fields import decode_value
 from ..sources.hf import feature_type, import_datasets
 
 if TYPE_CHECKING:  # the hf extra; imported when used
@@ -36,7 +37,8 @@ def _hf_feature(datasets, field: Field, source: dict) -> Any:
     recorded = (source.get("json_features") or {}).get(field.name) if source.get("kind") == "hf" else None
     if recorded is not None:
         return datasets.Features.from_dict({field.name: recorded})[field.name]
-    return datasets.Value("string")
+    json_feature = getattr(datasets, "Json", None)  # datasets' JSON feature, where this datasets has one
+    return json_feature() if json_feature is not None else datasets.Value("string")
 
 
 def _features(datasets, reader):
@@ -62,7 +64,8 @@ def _rows(root: str, digest: str):
     names = list(features)
     label = label_field(reader.schema)
     extras = extra_fields(reader.schema)
-    json_as_text = {f.name for f in extras if f.kind == "json" and feature_type(features[f.name]) == "Value"}
+    # given as the stored JSON text: a Json() feature parses text that is JSON (the value "5" stays a string)
+    json_as_text = {f.name for f in extras if f.kind == "json" and feature_type(features[f.name]) in ("Value", "Json")}
     reader.open()
     for i in range(len(reader)):
         data, stored_label = reader.raw_sample(i)
@@ -78,7 +81,7 @@ def _rows(root: str, digest: str):
             elif field.name in json_as_text:
                 row[field.name] = bytes(value).decode("utf-8")
             else:
-                decoded = decode(field, value)
+                decoded = decode_value(field, value, reader.describe(i))
                 row[field.name] = decoded.tolist() if isinstance(decoded, np.ndarray) else decoded
         yield row
 

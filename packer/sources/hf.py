@@ -11,13 +11,16 @@ as they are (``store original`` keeps them exactly), or re-encoded as the transf
 sample whose class is -1 or missing is skipped and listed. Every other column becomes a field typed from its
 feature: integers and ClassLabels int64, floats float32, strings text, binary bytes, a list of numbers a vector
 (of fixed length when the feature says so), a further ``Image()`` a second image, anything else (dicts, lists of
-strings) JSON. A column of another kind (Audio, Video...) is left out with a warning; an empty cell skips its row.
+strings, ``Json()``) JSON. An ``Image()`` column whose name contains ``mask`` is a mask, as an annotation table's
+column is (its pixels uint8 or uint16 as its first row's file says; given the image's geometry by nearest
+neighbour). A column of another kind (Audio, Video...) is left out with a warning; an empty cell skips its row.
 
 Reading back (:func:`to_hf`): a ``datasets.Dataset`` built with ``Dataset.from_generator`` (written to the
 Hugging Face cache as it goes, so memory stays bounded): the image as an ``Image()`` feature holding the stored
 bytes (a PNG of the pixels for ``store raw``), the class as a ``ClassLabel`` with the dataset's classes, the
-fields as ``Value`` and ``List`` features (JSON fields with the source's own feature when packed from a
-Hugging Face dataset, else as JSON text).
+fields as ``Value`` and ``List`` features, masks as ``Image()`` features of their stored one-channel PNGs (mode
+``L`` or ``I;16``, the exact values), JSON fields with the source's own feature when packed from a Hugging Face
+dataset, else as ``Json()`` (text on a ``datasets`` without it).
 
 ``datasets`` is an optional dependency (``pip install 'packer-data[hf]'``); nothing here imports it before it
 is needed.
@@ -26,6 +29,7 @@ is needed.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import sys
@@ -34,10 +38,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from ..errors import ImageError, SourceError, UsageError, warn
 from ..fields import Field, encode, extra_fields
-from ..images.transforms import Encoded, TransformSpec, checked_sides, convert_bytes, convert_file
+from ..images.masks import convert_mask_bytes, mask_pixels
+from ..images.transforms import (
+    Encoded,
+    TransformSpec,
+    checked_sides,
+    convert_bytes,
+    convert_file,
+    read_source_file,
+)
 from .base import SampleReader, Source
 
 PREFIX = "hf:"
@@ -121,8 +134,10 @@ def _field_of(name: str, feature: Any) -> Field | None:
         return None
     if kind == "ClassLabel":
         return Field(name, "int64")
-    if kind == "Image":
-        return Field(name, "image")
+    if kind == "Image":  # a mask when its name says so, as an annotation table's column (its pixels: from a row)
+        return Field(name, "mask", (), "uint8") if "mask" in name.lower() else Field(name, "image")
+    if kind == "Json":  # datasets' own JSON feature (what packer.to_hf gives a JSON field)
+        return Field(name, "json")
     if kind in ("Sequence", "List", "LargeList"):
         inner = feature.feature
         if feature_type(inner) == "Value" and str(inner.dtype) in _INTS + _FLOATS:
@@ -186,12 +201,16 @@ class HfReader(SampleReader):
             label = row[self.label]
             if label is None or label < 0:
                 raise ImageError(name, f"no class (column {self.label!r} holds {label}); give it one or drop the row")
-        extras = tuple(self._extra(field, row[self.columns[field.name]], name, spec) for field in self.fields)
+        extras = tuple(self._extra(field, row[self.columns[field.name]], name, spec, row[self.image])
+                       for field in self.fields)
         return f"{name}.{'png' if encoded.ext == 'raw' else encoded.ext}", int(label), encoded, extras
 
-    def _extra(self, field: Field, value: Any, name: str, spec: TransformSpec) -> bytes:
+    def _extra(self, field: Field, value: Any, name: str, spec: TransformSpec, image: Any = None) -> bytes:
         if value is None:
             raise ImageError(name, f"column {self.columns[field.name]!r} is empty; fill it or drop the row")
+        if field.kind == "mask":
+            return convert_mask_bytes(_cell_bytes(value, f"{name} {field.name}"), f"{name} {field.name}", spec,
+                                      field.pixels or "uint8", _size(_cell_bytes(image, name), name))
         if field.kind == "image":
             side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
             return _image(value, f"{name} {field.name}", side).payload
@@ -204,13 +223,29 @@ class HfReader(SampleReader):
         return f"{index:08d}"
 
 
-def _image(cell: dict | None, name: str, spec: TransformSpec) -> Encoded:
-    """A cell of an ``Image(decode=False)`` column converted: its bytes, else the file its path names."""
+def _cell_bytes(cell: dict | None, name: str) -> bytes:
+    """The file bytes of a cell of an ``Image(decode=False)`` column: its bytes, else the file its path names."""
     if not cell or (cell.get("bytes") is None and not cell.get("path")):
         raise ImageError(name, "no image in this row; give it one or drop the row")
     if cell.get("bytes") is not None:
-        return convert_bytes(bytes(cell["bytes"]), name, spec)
-    return convert_file(cell["path"], name, spec)
+        return bytes(cell["bytes"])
+    return read_source_file(cell["path"], name)
+
+
+def _size(data: bytes, name: str) -> tuple[int, int]:
+    """The (width, height) of an image file's bytes, from its header."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except (OSError, ValueError) as exc:
+        raise ImageError(name, f"cannot read the image ({exc})") from None
+
+
+def _image(cell: dict | None, name: str, spec: TransformSpec) -> Encoded:
+    """A cell of an ``Image(decode=False)`` column converted: its bytes, else the file its path names."""
+    if cell and cell.get("bytes") is None and cell.get("path"):
+        return convert_file(cell["path"], name, spec)
+    return convert_bytes(_cell_bytes(cell, name), name, spec)
 
 
 class HfSource(Source):
@@ -269,6 +304,8 @@ class HfSource(Source):
                                   "stored as 'image'; rename it with dataset.rename_column")
             if field.kind == "json":
                 self.json_features[column] = datasets.Features({column: feature}).to_dict()[column]
+            if field.kind == "mask":
+                field = self._mask_pixels(dataset, field)
             schema.append(field)
             self.columns[column] = column
         self.schema = schema
@@ -280,6 +317,15 @@ class HfSource(Source):
         for column in used:
             if feature_type(features[column]) == "Image":
                 self.dataset = self.dataset.cast_column(column, datasets.Image(decode=False))
+
+    def _mask_pixels(self, dataset, field: Field) -> Field:
+        """A mask column's pixel type (uint8 or uint16), from its first row's header."""
+        cell = dataset.cast_column(field.name, import_datasets().Image(decode=False))[0][field.name] \
+            if len(dataset) else None
+        if cell is None:
+            return field
+        data = _cell_bytes(cell, f"{self.name} column {field.name!r}")
+        return Field(field.name, "mask", (), mask_pixels(io.BytesIO(data), f"{self.name} column {field.name!r}"))
 
     def sizes(self) -> np.ndarray:
         try:

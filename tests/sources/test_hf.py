@@ -182,3 +182,39 @@ def test_a_shuffled_dataset_keeps_its_rows_and_unpackable_columns_are_left_out_w
     back = packer.to_hf(tmp_path / "out", cache_dir=tmp_path / "hf-cache")
     expected = shuffled.remove_columns("frames").cast_column("image", datasets.Image(decode=False))
     assert back.cast_column("image", datasets.Image(decode=False)).to_list() == expected.to_list()
+
+
+def test_to_hf_keeps_masks_as_masks_and_json_as_json_and_packs_back_to_them(tmp_path):
+    """A table's mask (uint8 and 16-bit) and JSON fields: ``to_hf`` gives one-channel ``Image()`` masks with the
+    exact values and ``Json()`` values, and ``packer pack hf:...`` of it gives masks and JSON again, equal."""
+    if not hasattr(datasets, "Json"):
+        pytest.skip("this datasets has no Json feature")
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = []
+    for i in range(4):
+        Image.fromarray(np.full((10, 12 + i, 3), 30 * i, np.uint8)).save(src / f"{i}.png")
+        ramp = np.arange(10 * (12 + i)).reshape(10, 12 + i)
+        Image.fromarray((ramp % (i + 3)).astype(np.uint8)).save(src / f"m{i}.png")
+        Image.fromarray((ramp * 300).astype(np.uint16)).save(src / f"d{i}.png")
+        rows.append({"image": f"{i}.png", "seg_mask": f"m{i}.png", "depth_mask": f"d{i}.png",
+                     "meta": {"id": i, "tags": ["a", str(i)]}})
+    (src / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    packer.pack(src / "t.jsonl", tmp_path / "packed", format="lmdb", progress=False)
+    before = packer.open_dataset(tmp_path / "packed")
+    back = packer.to_hf(tmp_path / "packed", cache_dir=tmp_path / "hf-cache")
+    assert type(back.features["meta"]).__name__ == "Json" and type(back.features["seg_mask"]).__name__ == "Image"
+    for i in range(4):
+        assert back[i]["meta"] == rows[i]["meta"]
+        assert back[i]["seg_mask"].mode == "L" and back[i]["depth_mask"].mode.startswith("I")
+        assert np.array_equal(np.asarray(back[i]["seg_mask"]), before[i]["seg_mask"].numpy())
+        assert np.array_equal(np.asarray(back[i]["depth_mask"]).astype(np.int64), before[i]["depth_mask"].numpy())
+    back.save_to_disk(tmp_path / "saved")
+    packer.pack(f"hf:{tmp_path / 'saved'}", tmp_path / "again", format="hdf5", progress=False)
+    again = packer.open_dataset(tmp_path / "again")
+    assert [(f.name, f.kind, f.pixels) for f in again.fields[1:]] == \
+        [("seg_mask", "mask", "uint8"), ("depth_mask", "mask", "uint16"), ("meta", "json", None)]
+    for i in range(4):
+        for name in ("image", "seg_mask", "depth_mask"):
+            assert np.array_equal(again[i][name].numpy(), before[i][name].numpy()), (i, name)
+        assert again[i]["meta"] == rows[i]["meta"]
