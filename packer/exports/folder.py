@@ -223,6 +223,10 @@ def _cell(field: Field, value: object) -> str:
         return json.dumps(value, sort_keys=True, ensure_ascii=False)
     if field.kind in NUMERIC:
         arr = np.asarray(value)
+        if field.kind == "float32" and not np.isfinite(arr).all():
+            raise CorruptDataError(f"field {field.name!r} holds {arr.tolist()}, which a table cell cannot carry back "
+                                   "(a table's numbers are finite); read it with packer.open_dataset instead of "
+                                   "exporting it")
         if arr.ndim:
             return "[" + ", ".join(_number_text(field.kind, v) for v in arr.tolist()) + "]"
         return _number_text(field.kind, arr.item())
@@ -333,7 +337,11 @@ def _export_table(reader: Reader, dest: Path, out: Path, schema: list[Field], ov
                         _write(partial / path, payload)
                         row[field.name] = path
                     else:
-                        row[field.name] = _cell(field, decode_value(field, raw[field.name], reader.describe(i)))
+                        value = decode_value(field, raw[field.name], reader.describe(i))
+                        try:
+                            row[field.name] = _cell(field, value)
+                        except CorruptDataError as exc:
+                            raise CorruptDataError(f"{reader.describe(i)}: {exc}") from None
                 reader.check_fields(i, list(raw.values()))
                 rows.writerow(row)
                 bar.update()

@@ -175,7 +175,9 @@ class Reader(ABC):
 
     def check_fields(self, index: int, values: Sequence[memoryview | bytes]) -> None:
         """:class:`CorruptDataError` unless sample ``index``'s extra fields as stored (``values``, in order) match
-        the checksum recorded for them (when the format records one)."""
+        the checksum recorded for them (when the format records one; a dataset without extra fields has none)."""
+        if not self.extra_fields:
+            return
         crc = self.fields_checksum(index)
         if crc is not None and fields_crc32(values) != crc:
             raise CorruptDataError(f"{self.describe(index)}: checksum mismatch in its fields, the stored bytes are "

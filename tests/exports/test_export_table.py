@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import write_image
 from PIL import Image
+from support.fields import SCHEMA, write_dataset
 from support.roundtrip import assert_same, decoded_stored, exported, stored_values
 
 import packer
@@ -75,3 +76,31 @@ def test_export_writes_every_path_once_and_packs_back_byte_for_byte(table, tmp_p
         run = subprocess.run(["bash", "-c", f"{pasted} --quiet"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert_same(stored_values(dest), stored_values(tmp_path / "again"), "export, then pack")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_table_of_images_alone_exports_and_packs_back(tmp_path, fmt):
+    """A table with an image column and nothing else: no class and no fields, so its records carry no fields'
+    checksum, and export must not look for one."""
+    root = tmp_path / "src"
+    for i in range(3):
+        write_image(root / f"p{i}.png", 8 + i, 6, seed=i, fmt="PNG")
+    (root / "t.csv").write_text("image\n" + "".join(f"p{i}.png\n" for i in range(3)), encoding="utf-8")
+    dest = tmp_path / "ds"
+    packer.pack(root / "t.csv", dest, format=fmt, progress=False, workers=1)
+    result, rows = exported(dest, tmp_path / "out")
+    assert_same(decoded_stored(dest), rows, "export")
+    assert result["count"] == 3 and len(rows) == 3
+
+
+def test_a_float_a_table_cannot_carry_is_one_line(tmp_path):
+    """A stored float32 that is not finite (packed by an older packer from a number beyond float32's range) has
+    no cell a table reads back: export names the sample and field rather than writing ``inf``."""
+    schema = [f for f in SCHEMA if f.name in ("image", "label", "caption", "target")]
+    dest = tmp_path / "ds"
+    write_dataset(dest, "lmdb", schema, count=3, stored={(1, "target"): np.float32(np.inf).tobytes()})
+    with pytest.raises(packer.PackerError, match=r"sample 1: field 'target' holds inf, which a table cell cannot "
+                                                 r"carry back") as exc:
+        packer.export(dest, tmp_path / "out", progress=False)
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()

@@ -161,10 +161,13 @@ def decoded_stored(dest: Path) -> list[dict]:
     return out
 
 
-def exported(dest: Path, out: Path) -> tuple[dict, list[dict]]:
+def exported(dest: Path, out: Path) -> tuple[dict, list[dict] | None]:
     """Export ``dest`` to ``out`` and read the export back: ``(export()'s result, every row's values)``, images
-    and masks as the bytes of the files the table names, the class as its index."""
+    and masks as the bytes of the files the table names, the class as its index; None for the rows of a dataset
+    of images and classes only, exported as class folders."""
     result = packer.export(dest, out, progress=False)
+    if "table" not in result:  # image and class only: class folders, no table (see :func:`class_samples`)
+        return result, None
     fields = schema(dest)
     label = label_field(fields)
     classes = packer.read_manifest(dest)["classes"]
@@ -309,3 +312,13 @@ def plain_values(dest: Path) -> list[dict]:
                     row[field.name] = stored["values"][ends[i]:ends[i + 1]].tobytes()
             rows.append(row)
     return rows
+
+
+def class_samples(dest: Path) -> list[tuple[str, bytes]]:
+    """Every sample of an image-and-class dataset as (class name, decoded pixels), sorted: what a class-folder
+    export packed back must hold, in whatever order the folder gives."""
+    classes = packer.read_manifest(dest)["classes"]
+    fields = schema(dest)
+    label = label_field(fields)
+    rows = by_index(dest)
+    return sorted((classes[row[label.name]] if label is not None else "", row["image"].tobytes()) for row in rows)
