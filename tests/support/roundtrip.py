@@ -161,6 +161,16 @@ def decoded_stored(dest: Path) -> list[dict]:
     return out
 
 
+def exported_image(path: Path, raw: bool) -> bytes | np.ndarray:
+    """An exported image as :func:`stored_values` gives the stored one: the file's bytes, or for a dataset of raw
+    pixels (exported as lossless PNGs) its pixels, (H, W, C)."""
+    if not raw:
+        return path.read_bytes()
+    with Image.open(path) as image:
+        arr = np.asarray(image)
+    return arr[..., None] if arr.ndim == 2 else arr
+
+
 def exported(dest: Path, out: Path) -> tuple[dict, list[dict] | None]:
     """Export ``dest`` to ``out`` and read the export back: ``(export()'s result, every row's values)``, images
     and masks as the bytes of the files the table names, the class as its index; None for the rows of a dataset
@@ -171,11 +181,12 @@ def exported(dest: Path, out: Path) -> tuple[dict, list[dict] | None]:
     fields = schema(dest)
     label = label_field(fields)
     classes = packer.read_manifest(dest)["classes"]
+    raw = open_reader(dest).spec.store == "raw"
     with open(result["table"], newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     values = []
     for row in rows:
-        got: dict[str, Any] = {"image": (out / row["image"]).read_bytes()}
+        got: dict[str, Any] = {"image": exported_image(out / row["image"], raw)}
         if label is not None:
             got[label.name] = classes.index(row[label.name])
         for field in extra_fields(fields):
