@@ -206,12 +206,12 @@ def export(dest: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool =
     return {"out": str(out), "count": len(reader), "classes": len(classes), "renamed": renamed}
 
 
-def _number_text(kind: str, value: object) -> str:
+def _number_text(kind: str, value: float) -> str:
     """One number as the table's text: an int64 as its digits, a float32 as the shortest text that reads back to
     the same float32 (``1.7``, not ``1.7000000476837158``)."""
     if kind == "float32":
         return str(np.float32(value))  # numpy's shortest round-trip repr of the float32
-    return str(int(value))  # type: ignore[call-overload]
+    return str(int(value))
 
 
 def _cell(field: Field, value: object) -> str:

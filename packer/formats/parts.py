@@ -195,9 +195,10 @@ class PartedReader(Reader):
 
     def stored_shapes(self) -> np.ndarray | None:
         shapes = [reader.stored_shapes() for reader in self.readers]
-        if any(s is None for s in shapes):
+        known = [s for s in shapes if s is not None]
+        if len(known) != len(shapes):
             return None
-        return np.concatenate(shapes) if shapes else np.zeros((0, 3), np.int64)
+        return np.concatenate(known) if known else np.zeros((0, 3), np.int64)
 
     def relpath(self, index: int) -> str:
         p, local = self.locate(index)

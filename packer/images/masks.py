@@ -12,6 +12,7 @@ It is never normalized or re-encoded lossily.
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import cv2
@@ -26,12 +27,13 @@ MASK_MODES = {"L": "uint8", "P": "uint8", "1": "uint8", "I;16": "uint16", "I;16B
               "I": "uint16"}  # the Pillow modes a mask may have, and the pixel type each needs
 
 
-def mask_mode(path: str, name: str) -> str:
-    """The Pillow mode of the image file at ``path`` (read from its header only, and only if it is a regular file);
-    an :class:`ImageError` naming ``name`` when it cannot be read. :data:`MASK_MODES` gives the pixel type a mask
-    of that mode needs; a mode not in it is no mask (:func:`not_a_mask` says why)."""
+def mask_mode(path: str | io.BytesIO, name: str) -> str:
+    """The Pillow mode of the image file at ``path`` (read from its header only, and only if it is a regular file)
+    or in a buffer of its bytes; an :class:`ImageError` naming ``name`` when it cannot be read. :data:`MASK_MODES`
+    gives the pixel type a mask of that mode needs; a mode not in it is no mask (:func:`not_a_mask` says why)."""
     try:
-        with open_regular(path, name) as f, Image.open(f) as img:
+        with (contextlib.nullcontext(path) if isinstance(path, io.BytesIO) else open_regular(path, name)) as f, \
+                Image.open(f) as img:
             return img.mode
     except ImageError:
         raise

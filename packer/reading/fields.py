@@ -176,7 +176,8 @@ class FieldDecoder:
         flipped = window is not None and window.flipped
         if d.random_resized_crop is not None:
             assert window is not None  # a random resized crop augments: every sample has a window
-            box = (window.left, window.top, window.left + window.width, window.top + window.height)
+            box: tuple[float, float, float, float] = (window.left, window.top, window.left + window.width,
+                                                      window.top + window.height)
             result = nearest_box(mask, box, d.random_resized_crop, flipped)
         elif d.resize or d.center_crop:
             region = center_box(full, d.resize, d.center_crop)

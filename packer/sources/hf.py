@@ -42,7 +42,7 @@ from PIL import Image
 
 from ..errors import ImageError, SourceError, UsageError, warn
 from ..fields import Field, encode, extra_fields
-from ..images.masks import convert_mask_bytes, mask_pixels
+from ..images.masks import MASK_MODES, convert_mask_bytes, mask_mode, not_a_mask
 from ..images.transforms import (
     Encoded,
     TransformSpec,
@@ -324,8 +324,11 @@ class HfSource(Source):
             if len(dataset) else None
         if cell is None:
             return field
-        data = _cell_bytes(cell, f"{self.name} column {field.name!r}")
-        return Field(field.name, "mask", (), mask_pixels(io.BytesIO(data), f"{self.name} column {field.name!r}"))
+        where = f"{self.name} column {field.name!r}"
+        mode = mask_mode(io.BytesIO(_cell_bytes(cell, where)), where)
+        if mode not in MASK_MODES:
+            raise UsageError(f"{where}: {not_a_mask(mode)}")
+        return Field(field.name, "mask", (), MASK_MODES[mode])
 
     def sizes(self) -> np.ndarray:
         try:

@@ -196,5 +196,5 @@ class WdsWriter(Writer):
     @classmethod
     def merge_parts(cls, parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         first = next(iter(parts.values()), {})  # every part names its members alike
-        naming = {k: first[k] for k in ("format_version", "caption") if k in first}
+        naming: dict[str, Any] = {k: first[k] for k in ("format_version", "caption") if k in first}
         return {**prefixed_entries(parts, ("files", "shards")), **naming}
