@@ -119,6 +119,7 @@ def read_only(folder: Path):
         folder.chmod(0o755)
 
 
+@pytest.mark.remote
 def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
     src = noise_folder(tmp_path / "src", 6, 8, "png")
     packer.pack(src, tmp_path / "packs" / "ds", "lmdb", progress=False, workers=1)
@@ -143,6 +144,7 @@ def test_a_server_that_cannot_be_reached_is_named_as_such(run_packer):
     assert "packer pack SRC http" not in result.stderr
 
 
+@pytest.mark.remote
 def test_a_missing_dataset_over_http_is_not_offered_a_pack(tmp_path, run_packer):
     (tmp_path / "empty").mkdir()
     server = serve_files(tmp_path)
