@@ -1,4 +1,4 @@
-"""The property test of tests/test_roundtrip_property.py, run in its own process under an address-space limit:
+"""The property test of tests/sources/test_table_roundtrip.py, run in its own process under an address-space limit:
 ``python roundtrip_worker.py WORKDIR EXAMPLES LIMIT_BYTES``.
 
 Hypothesis writes random annotation tables (CSV or JSON Lines; column names and values: unicode, huge, negative,

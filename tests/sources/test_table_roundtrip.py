@@ -3,7 +3,10 @@ tables (names and values unicode, huge, negative, NaN, nested, empty, repeated; 
 and sizes) and, for every format, a pack either fails with one ``packer: error:`` line or gives a dataset that
 opens, reads alike through ``ds[i]``, ``stream``, the plain library and ``export``, verifies deep, and packs back
 from its export to the same samples and fields. It runs in its own process under an address-space limit
-(tests/workers/roundtrip_worker.py), so that unbounded memory is a failure, not a slow machine."""
+(tests/workers/roundtrip_worker.py), so that unbounded memory is a failure, not a slow machine.
+
+Its sibling, test_table_properties.py, holds the pack side (each value read back as the table says, refusals in
+one line, no DEST left); this one holds the read side: every reader and the export agree on what was packed."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 LIMIT = 3 << 30  # address space: torch, numpy and the loader's threads fit; a runaway allocation does not
 EXAMPLES = int(os.environ.get("PACKER_ROUNDTRIP_EXAMPLES", "12"))
 
