@@ -175,9 +175,9 @@ def test_three_readers_that_each_fit_a_small_cache_fit_it_together(tmp_path):
     for fmt in ("lmdb", "hdf5", "wds"):
         packer.pack(src, tmp_path / "packs" / fmt, fmt, store="raw", progress=False, workers=1,
                     **({"shard_samples": 60} if fmt == "wds" else {}))
-    total = max(sum(e["bytes"] for e in packer.read_manifest(tmp_path / "packs" / f)["files"])
-                for f in ("lmdb", "hdf5", "wds"))
-    cache, limit = tmp_path / "cache", total // 4
+    smallest = min(sum(e["bytes"] for e in packer.read_manifest(tmp_path / "packs" / f)["files"])
+                   for f in ("lmdb", "hdf5", "wds"))
+    cache, limit = tmp_path / "cache", smallest // 4  # every dataset over it: each is read a block at a time
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     server = serve_files(tmp_path / "packs")
     try:
