@@ -43,10 +43,14 @@ def comparable(field: Field, value: Any) -> Any:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equality of :func:`comparable` values (arrays by shape, dtype kind and every element)."""
+    """Equality of :func:`comparable` values (arrays by shape, dtype kind and every element); a NaN stored is the
+    same as a NaN read."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
-        return a.shape == b.shape and np.array_equal(a, b)
+        floats = a.dtype.kind == "f" and b.dtype.kind == "f"
+        return a.shape == b.shape and np.array_equal(a, b, equal_nan=floats)
+    if isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating)) and np.isnan(a) and np.isnan(b):
+        return True
     return a == b
 
 
@@ -125,7 +129,8 @@ def by_webdataset(dest: Path) -> list[dict]:
     for members in wds_members(dest):
         image = [k for k in members if "." not in k and k not in ("cls", "json", "txt")]
         assert len(image) == 1, f"one image member, not {sorted(members)}"
-        row: dict[str, Any] = {"image": members[image[0]]}
+        data = members[image[0]]  # raw pixels are a .npy member: read as webdataset's npy decoder does
+        row: dict[str, Any] = {"image": np.load(io.BytesIO(data), allow_pickle=False) if image[0] == "npy" else data}
         if label is not None:
             row[label.name] = int(members["cls"])
         by_lower = {k.lower(): v for k, v in members.items()}
