@@ -307,7 +307,8 @@ print(json.dumps(sorted(digests)))
 @pytest.mark.parametrize("fmt", BLOCKED)
 def test_two_processes_reading_one_url_share_the_cache(fmt, packs, server, truth, tmp_path):
     url, cache, total = f"{server.url}/{fmt}", tmp_path / "cache", data_bytes(packs, fmt)
-    open_blocked(url, cache, total // 4)  # the layout, computed once for both
+    reader = open_blocked(url, cache, total // 4).reader  # the layout, computed once for both
+    ahead = reader.fetch_ahead * int(reader.block_bytes().max())  # of a next epoch, which neither child reads
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     sent = server.sent
     args = [url, str(cache), str(total // 4)]
@@ -317,7 +318,8 @@ def test_two_processes_reading_one_url_share_the_cache(fmt, packs, server, truth
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     for out, _ in outs:
         assert json.loads(out) == sorted(truth[fmt])
-    assert server.sent - sent <= 1.25 * total, (server.sent - sent, total)  # each block about once, not twice
+    # each block about once, not twice; beyond that, each child's fetch-ahead may have started on its next epoch
+    assert server.sent - sent <= 1.25 * total + 2 * ahead < 2 * total, (server.sent - sent, total, ahead)
     assert list((cache / "locks").iterdir()) == []  # each fetcher removed its lock file as it let go
 
 
