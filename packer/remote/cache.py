@@ -139,6 +139,13 @@ def _close(fd: int) -> None:
     os.close(fd)
 
 
+def _close_own(pid: int, fd: int) -> None:
+    """Close ``fd`` in process ``pid`` only: a forked child closed its copy as it started, and its number may
+    since belong to another file (a DataLoader worker's socket, which a second close would break)."""
+    if os.getpid() == pid:
+        _close(fd)
+
+
 class Pin:
     """A shared lock on one cached object, held while a reader may use it; eviction skips it. With ``inherited``
     a forked child shares it (a resolved dataset's files, read by its DataLoader workers); without, a child
@@ -169,7 +176,9 @@ class Cache:
         try:
             for sub in ("objects", "tmp", "locks", "views", "waiting"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".writable-", dir=self.root / "tmp")  # a read-only mount says so now
+            # a read-only mount says so now; the probe is made beside the folders, where no eviction scans
+            # (tmp/'s files are downloads, which another process's eviction may delete the moment they appear)
+            fd, probe = tempfile.mkstemp(prefix=".writable-", dir=self.root)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
@@ -281,7 +290,7 @@ class Cache:
             if held is None or held[0] != os.getpid():  # none yet, or a forked child's copy (closed at fork)
                 fd = _open(self.root / "evict.lock", os.O_RDWR | os.O_CREAT)
                 held = self._eviction = (os.getpid(), fd, threading.Lock())
-                weakref.finalize(self, _close, fd)
+                weakref.finalize(self, _close_own, os.getpid(), fd)
         _, fd, lock = held
         with lock:
             lock_file(fd)

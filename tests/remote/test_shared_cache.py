@@ -5,6 +5,7 @@ written is one line; a URL whose server cannot be reached says so, not that ther
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -134,6 +135,31 @@ def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
     finally:
         server.stop()
     assert "\n" not in str(exc.value) and str(cache) in str(exc.value)
+
+
+def test_a_forked_child_never_closes_a_descriptor_it_did_not_open(tmp_path):
+    """A DataLoader worker forked from a process that evicted from a bounded cache closes its copy of the
+    eviction lock as it starts, and the number goes to the worker's next file (torch's socket that passes a
+    batch's memory back): dropping the cache there must not close it a second time."""
+    cache = Cache(tmp_path / "cache", limit=150)
+    obtain(cache, 0).release()
+    obtain(cache, 1).release()  # evicts blob 0: the eviction lock's descriptor is open
+    evict_fd = cache._eviction[1]
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when its file under that number survives the cache's finalizer
+        code = 1
+        try:
+            r, _ = os.pipe()
+            os.dup2(r, evict_fd)  # the number, free in the child, taken by a file of its own
+            del cache
+            gc.collect()
+            os.fstat(evict_fd)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    os.fstat(evict_fd)  # the parent's own is open
 
 
 def test_a_server_that_cannot_be_reached_is_named_as_such(run_packer):
