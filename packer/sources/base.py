@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
+from ..errors import ImageError
 from ..fields import PAIR_SCHEMA, Field
 from ..images.transforms import Encoded, TransformSpec
 
@@ -94,3 +97,16 @@ class Source:
             return (f"{dest}: the destination is inside the source folder {self.root}, so packing would change the "
                     "source; choose a folder outside it")
         return None
+
+
+def image_size(data: bytes, name: str) -> tuple[int, int]:
+    """The (width, height) of an image file's bytes, from its header: the size a mask of the sample must have.
+
+    Raises:
+        ImageError: the bytes are not an image Pillow can open (``name`` is the sample in the message).
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except (OSError, ValueError) as exc:
+        raise ImageError(name, f"cannot read the image ({exc})") from None

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from ..errors import ImageError, SourceError, UsageError, warn
 from ..fields import Field, encode, extra_fields
@@ -51,7 +50,7 @@ from ..images.transforms import (
     convert_file,
     read_source_file,
 )
-from .base import SampleReader, Source
+from .base import SampleReader, Source, image_size
 
 PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
@@ -210,7 +209,7 @@ class HfReader(SampleReader):
             raise ImageError(name, f"column {self.columns[field.name]!r} is empty; fill it or drop the row")
         if field.kind == "mask":
             return convert_mask_bytes(_cell_bytes(value, f"{name} {field.name}"), f"{name} {field.name}", spec,
-                                      field.pixels or "uint8", _size(_cell_bytes(image, name), name))
+                                      field.pixels or "uint8", image_size(_cell_bytes(image, name), name))
         if field.kind == "image":
             side = replace(spec, store=_SIDE_STORES.get(spec.store, spec.store), normalize=False, dtype="uint8")
             return _image(value, f"{name} {field.name}", side).payload
@@ -230,15 +229,6 @@ def _cell_bytes(cell: dict | None, name: str) -> bytes:
     if cell.get("bytes") is not None:
         return bytes(cell["bytes"])
     return read_source_file(cell["path"], name)
-
-
-def _size(data: bytes, name: str) -> tuple[int, int]:
-    """The (width, height) of an image file's bytes, from its header."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.size
-    except (OSError, ValueError) as exc:
-        raise ImageError(name, f"cannot read the image ({exc})") from None
 
 
 def _image(cell: dict | None, name: str, spec: TransformSpec) -> Encoded:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -25,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from ..errors import ImageError, SourceError, UsageError
 from ..fields import Field, encode, extra_fields, parse_field_option, schema_problem
 from ..images.masks import MASK_MODES, convert_mask, mask_mode, not_a_mask
 from ..images.transforms import Encoded, TransformSpec, checked_sides, convert_bytes, convert_file, read_source_file
-from .base import SampleReader, Source
+from .base import SampleReader, Source, image_size
 from .table_paths import Outside, Root
 from .table_values import LabelError, cell_value, class_labels, infer_field, is_empty, loads
 
@@ -104,7 +102,7 @@ class TableReader(SampleReader):
         relpath = self.paths[index]
         data = read_source_file(self._path(relpath), relpath)
         encoded = checked_sides(convert_bytes(data, relpath, spec), relpath)
-        size = _size(data, relpath) if self.masks else (0, 0)
+        size = image_size(data, relpath) if self.masks else (0, 0)
         try:
             extras = tuple(self._extra(field, cell, spec, size)
                            for field, cell in zip(self.extra, self.cells[index], strict=True))
@@ -128,15 +126,6 @@ class TableReader(SampleReader):
 
     def name(self, index: int) -> str:
         return self.paths[index]
-
-
-def _size(data: bytes, name: str) -> tuple[int, int]:
-    """(width, height) of an image from its header (its bytes were decoded already)."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.size
-    except (OSError, ValueError) as exc:
-        raise ImageError(name, f"cannot read the image ({exc})") from None
 
 
 class TableSource(Source):

@@ -136,15 +136,21 @@ def test_lmdb_index_holds_each_record_s_label_size_and_place(packs):
     assert np.array_equal(counts, np.bincount(rows["label"], minlength=3))
 
 
-def test_lmdb_packed_before_the_index_is_scanned_once_and_kept_in_the_cache(packs, tmp_path):
-    """A dataset without lmdb_index.npy (packed by an earlier packer): the first ``info`` says it reads each
-    record's header once and keeps the result in the cache folder; the next reads it from there, silently."""
-    old = tmp_path / "old"
-    shutil.copytree(packs / "lmdb", old)
+def packed_without_the_index(dataset: Path, old: Path) -> Path:
+    """A copy of the LMDB ``dataset`` at ``old`` as an earlier packer wrote it: no lmdb_index.npy, in the folder or
+    its manifest."""
+    shutil.copytree(dataset, old)
     data = json.loads((old / "manifest.json").read_text())
     data["files"] = [e for e in data["files"] if e["path"] != INDEX]
     (old / "manifest.json").write_text(json.dumps(data))
     (old / INDEX).unlink()
+    return old
+
+
+def test_lmdb_packed_before_the_index_is_scanned_once_and_kept_in_the_cache(packs, tmp_path):
+    """A dataset without lmdb_index.npy (packed by an earlier packer): the first ``info`` says it reads each
+    record's header once and keeps the result in the cache folder; the next reads it from there, silently."""
+    old = packed_without_the_index(packs / "lmdb", tmp_path / "old")
     env = dict(os.environ, PACKER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
     runs = [subprocess.run([sys.executable, "-m", "packer", "info", str(old)], capture_output=True, text=True,
                            env=env, timeout=120) for _ in range(2)]
@@ -161,12 +167,7 @@ def test_lmdb_packed_before_the_index_reads_the_same_samples_and_labels(packs, t
     """An older dataset opens and trains as before: the same batches, labels and class counts as with an index,
     and the scan is said once in a process however many readers open it."""
     monkeypatch.setenv("PACKER_CACHE_DIR", str(tmp_path / "cache"))
-    old = tmp_path / "old"
-    shutil.copytree(packs / "lmdb", old)
-    data = json.loads((old / "manifest.json").read_text())
-    data["files"] = [e for e in data["files"] if e["path"] != INDEX]
-    (old / "manifest.json").write_text(json.dumps(data))
-    (old / INDEX).unlink()
+    old = packed_without_the_index(packs / "lmdb", tmp_path / "old")
     indices = np.random.default_rng(3).choice(COUNT, BATCH, replace=False).tolist()
     new = packer.open_dataset(packs / "lmdb", decode=False)
     for _ in range(2):
