@@ -8,9 +8,10 @@ blocks until the caller has received it, or only until its worker has mapped the
 :meth:`~packer.loading.workers.WorkerPool.mapped_batches`; torch's DataLoader workers: :class:`WorkerMaps`), and each
 block goes once no batch needs it. Once every block of the pass is fetched or held, it fetches the blocks of the
 next pass (``then``: the next epoch, as the sampler will make it from ``(seed, epoch)`` unless told otherwise), in
-the order that pass reads them, as far as the same bytes allow, and holds them to the pass's end, so that the next
-epoch starts on blocks already fetched: released last, they are the cache's most recently used objects, the last it
-evicts, and the next pass's thread holds them again first. Blocks are fetched several at once, in the
+the order that pass reads them, as far as the same bytes allow, so that the next epoch starts on blocks already
+fetched (its thread holds them first). It does not hold those: a block this pass's decoders (or another reader of
+the cache) still need may take their room, and a pin that lasted to the pass's end could keep that block out for
+good. Blocks are fetched several at once, in the
 order they will be read, so that each request's latency overlaps the others' and the decoding, on threads the
 process keeps for every pass: ``FETCHERS`` at first, then as many as a fetch's time at the rate the batches use
 blocks needs (:class:`_Pace`), up to what the bytes held allow.
@@ -232,8 +233,9 @@ class FetchAhead:
              owner: weakref.ref, limits: tuple[np.ndarray, int], stop: threading.Event,
              then: Callable[[], np.ndarray] | None) -> None:
         sizes, budget = limits  # each block's bytes; the bytes held and fetched at most
-        held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release
+        held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release (a no-op: the next pass's)
         pace = _Pace(fetchers.count, fetchers.most)
+        this_pass = len(order)  # positions from here on are the next pass's
         passed = 0  # no batch needs the blocks of ``order`` before this one
         try:
             while not stop.is_set() and owner() is not None and not progress.finished:
@@ -241,6 +243,9 @@ class FetchAhead:
                 for k, release in fetchers.done(pace):
                     if release is None:  # no room in the cache now: try again later
                         room = False
+                    elif k >= this_pass:  # fetched, left evictable; its bytes still count, so it is not fetched again
+                        release()
+                        held[k] = _fetched
                     else:
                         held[k] = release
                 frontier = max(progress.received, mapped())  # the first batch that still needs its blocks
@@ -273,14 +278,17 @@ class FetchAhead:
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
         finally:
-            # no pin outlives the pass (another loader on the same cache, a validation pass, needs the room); the
-            # next pass's blocks, released last, are the cache's most recently used: the last it evicts
+            # no pin outlives the pass (another loader on the same cache, a validation pass, needs the room)
             stop.set()
             for _, release in fetchers.finish():
                 if release is not None:
                     release()
             for release in held.values():
                 release()
+
+
+def _fetched() -> None:
+    """The release of a next pass's block, which the fetch-ahead does not hold."""
 
 
 class _Pace:
