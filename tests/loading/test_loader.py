@@ -13,7 +13,6 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from support.packed import FORMATS, MEAN, STD, digest
@@ -288,9 +287,22 @@ def test_threads_open_one_lmdb_dataset_at_once(tmp_path, make_image):
 
 # -- memory ---------------------------------------------------------------------------------------------------------
 
-def worker_uss(before: set[int]) -> dict[int, int]:
+PERSISTENT_WORKERS = """
+import json, sys
+import psutil
+import packer
+ds = packer.open_dataset(sys.argv[1], center_crop=224)
+ds[0]
+before = {p.pid for p in psutil.Process().children()}
+loader = packer.make_loader(ds, batch_size=int(sys.argv[2]), num_workers=2, persistent_workers=True,
+                            timeout=int(sys.argv[3]))
+seen, uss = [], []
+for _ in range(3):
+    seen.append(sum(len(labels) for images, labels in loader if int(images.sum()) >= 0))
     kids = [p for p in psutil.Process().children() if p.pid not in before]
-    return {p.pid: p.memory_full_info().uss for p in kids}
+    uss.append({p.pid: p.memory_full_info().uss for p in kids})
+print(json.dumps({"len": len(ds), "seen": seen, "uss": uss}))
+"""
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -300,16 +312,15 @@ def test_persistent_workers_do_not_grow(pack, fmt):
     The two workers' USS is summed: which worker made the last batch moves about one batch of freed memory
     between them, too much noise for a per-worker 10% bound on a ~14 MiB worker. The loop reads every image, as
     training does: packer's workers decode into shared slots, and a slot page only its worker has touched counts
-    in that worker's USS."""
-    ds = packer.open_dataset(pack(fmt, "original"), center_crop=224)
-    ds[0]
-    before = {p.pid for p in psutil.Process().children()}
-    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, persistent_workers=True, timeout=LIVENESS)
-    seen, uss = [], []
-    for _ in range(3):
-        seen.append(sum(len(labels) for images, labels in loader if int(images.sum()) >= 0))
-        uss.append(worker_uss(before))
-    assert seen == [len(ds)] * 3
+    in that worker's USS. It runs in a process of its own, as a training script does: under the test session, a
+    page the session writes after the fork becomes the worker's own copy and counted in its USS, growth that is
+    the session's, not the worker's."""
+    result = subprocess.run([sys.executable, "-c", PERSISTENT_WORKERS, str(pack(fmt, "original")), str(BATCH),
+                             str(LIVENESS)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    seen, uss = out["seen"], [{int(pid): v for pid, v in epoch.items()} for epoch in out["uss"]]
+    assert seen == [out["len"]] * 3
     assert len(uss[0]) == 2 and set(uss[2]) == set(uss[0]), "the same two persistent workers throughout"
     first, last = sum(uss[0].values()), sum(uss[2].values())
     assert last <= 1.10 * first, f"workers' USS {first / 2**20:.1f} -> {last / 2**20:.1f} MiB"
