@@ -20,6 +20,9 @@ from .targets import Target
 WARMUP_BATCHES = 2  # batches of epoch 1 left out of its rate: worker start-up and first-touch costs
 SKIP_ABOVE = 4  # a quick run's pass leaves out its first batches only with this many batches per batch left out
 CHUNKS = 5  # parts of a pass whose rates give a quick run's figure its noise
+# the shortest part: the workers' prefetched batches arrive in bursts (a pass's last ones at once, as it drains),
+# and a part of a tenth of a second timed a burst, not the machine's speed
+PART_SECONDS = 0.25
 
 
 @dataclass
@@ -106,13 +109,18 @@ class Pass:
         samples, seconds = self.span(skip)
         return samples / seconds if seconds else 0.0
 
-    def chunk_rates(self, skip: int, chunks: int = CHUNKS) -> list[float]:
+    def chunk_rates(self, skip: int, chunks: int = CHUNKS, part_seconds: float = PART_SECONDS) -> list[float]:
         """The rates of ``chunks`` consecutive parts of the timed batches (fewer where the pass is short), each of at
-        least two batches per worker: batches from several workers arrive together, so a shorter part could be
-        timed over almost no time."""
+        least two batches per worker and about ``part_seconds``: batches from several workers arrive together, so a
+        shorter part could be timed over almost no time, or over the burst of a pass's last batches. A pass
+        shorter than two such parts is one part: its whole rate."""
         k = self.skipped(skip)
         n = len(self.sizes) - k
-        size = max(2 * max(1, skip), n // chunks)
+        timed = self.span(skip)[1]
+        per_batch = timed / n if n and timed > 0 else 0.0
+        size = max(2 * max(1, skip), n // chunks, math.ceil(part_seconds / per_batch) if per_batch else n)
+        if n and size > n // 2:  # too short to split
+            size = n
         rates = []
         for lo in range(k, k + (n // size) * size, size):
             hi = lo + size

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .cache import evict, prewarm, release_handles, resident_fraction
-from .measure import SKIP_ABOVE, Pass, build_loader, spread, timed_pass, wait_summary
+from .measure import PART_SECONDS, SKIP_ABOVE, Pass, build_loader, spread, timed_pass, wait_summary
 from .targets import Target
 
 MIN_BATCHES = 6  # batches per worker a warm figure measures at the least, whatever its time
@@ -56,14 +56,23 @@ class RepeatSampler(torch.utils.data.Sampler):
 def pass_figures(passes: list[Pass], stepped: list[Pass], skip: int, by_pass: bool = False) -> dict[str, Any]:
     """What a figure's passes give: the rate over all of them, its noise, and the waits per batch (those of the
     stepped passes where there are any: what the step waits for), each pass's skipped batches left out. The noise
-    is the spread of the rates of parts of the passes, or with ``by_pass`` of the passes themselves (cold epochs,
-    whose rate climbs within each as the first reads make way for the later ones), where there are 2 or more."""
+    is the spread of the rates of parts of the passes (:meth:`Pass.chunk_rates`; passes too short to split are
+    timed together, consecutive ones making parts of at least ``PART_SECONDS``), or with ``by_pass`` of the passes
+    themselves (cold epochs, whose rate climbs within each as the first reads make way for the later ones), where
+    there are 2 or more."""
     samples = seconds = 0.0
     parts: list[float] = []
+    short = [0, 0.0]  # samples and seconds of consecutive passes each too short to split: timed as one part
     for p in passes:
         n, s = p.span(skip)
         samples, seconds = samples + n, seconds + s
-        parts += p.chunk_rates(skip)
+        if s >= 2 * PART_SECONDS:
+            parts += p.chunk_rates(skip)
+            continue
+        short = [short[0] + n, short[1] + s]
+        if short[1] >= PART_SECONDS:
+            parts.append(short[0] / short[1])
+            short = [0, 0.0]
     if (by_pass and len(passes) >= 2) or len(parts) < 2:
         parts = [p.rate(skip) for p in passes]
     waits = [w for p in (stepped or passes) for w in p.waits[p.skipped(skip):]]
@@ -140,7 +149,7 @@ def warm_figure(target: Target, fig: Figure, status: Callable[[str], Any] | None
     started = time.perf_counter()
     sampler.length = (SKIP_ABOVE * skip + 1) * fig.batch_size
     warmup = timed_pass(loader, 0.0, fig.expected, where)
-    estimate = max(warmup.chunk_rates(skip) or [warmup.rate(skip)])
+    estimate = max(warmup.chunk_rates(skip, part_seconds=0.0) or [warmup.rate(skip)])
     passes: list[Pass] = []
     stepped: list[Pass] = []
     for done, step_s in ((passes, 0.0), (stepped, fig.step_s)):

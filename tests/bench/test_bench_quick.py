@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import json
 import os
 import re
@@ -22,6 +23,8 @@ from packer import bench
 from packer.bench.chart import comparable_ceiling
 from packer.bench.compare import compare_lines
 from packer.bench.live import LiveTable
+from packer.bench.measure import Pass, spread
+from packer.bench.passes import pass_figures
 from packer.bench.quick import fitting, raw_bytes
 from packer.bench.verdict import verdict
 
@@ -320,3 +323,38 @@ def test_a_pasted_command_quotes_what_the_shell_would_split():
     assert shlex.split(command) == ["packer", "pack", "/data/my set", "/data/my set-wds-jpeg", "--format", "wds",
                                     "--store", "jpeg", "--resize", "320x240", "--center-crop", "224"]
     assert packer.bench.pack_command("photos/", row).split()[3] == "photos-wds-jpeg"
+
+
+def _pass(gaps: list[float], batch: int = 64) -> Pass:
+    """A pass whose batches arrived ``gaps`` seconds apart."""
+    arrivals = list(itertools.accumulate(gaps))
+    return Pass(sizes=[batch] * len(gaps), arrivals=arrivals, waits=list(gaps), starts=[0.0] * len(gaps))
+
+
+def test_a_figure_s_parts_last_long_enough_to_time_the_machine_not_a_burst():
+    """A pass of 60 batches 10 ms apart whose last 8 (prefetched) arrive together as it drains: at the machine's
+    steady speed throughout. Parts of about PART_SECONDS keep the burst inside a part long enough to dilute it,
+    below the bench's ±25% warning; parts of a tenth of a second timed it as the machine's speed moving."""
+    steady = _pass([0.01] * 52 + [0.0005] * 8)
+    parts, tenths = steady.chunk_rates(skip=2), steady.chunk_rates(skip=2, part_seconds=0.0)
+    assert len(parts) == 2 and len(tenths) == 5
+    assert sum(64 * 29 / rate for rate in parts) == pytest.approx(steady.span(skip=2)[1])  # the timed span, in parts
+    assert spread(parts) < 0.25 < spread(tenths)
+
+
+def test_a_pass_shorter_than_two_parts_is_one_part_its_whole_rate():
+    short = _pass([0.01] * 20)
+    assert short.chunk_rates(skip=2) == [pytest.approx(short.rate(skip=2))]
+
+
+def test_passes_too_short_to_split_are_timed_together():
+    """A fast row's passes of 18 ms each (1,152 images at 64,000 img/s), one delayed by 20 ms (a hiccup of the
+    scheduler): consecutive passes make parts of at least PART_SECONDS (13 passes with the hiccup, then 14; the
+    13 left over make no part of their own), so the noise is the machine's over a quarter second."""
+    passes = [_pass([0.001] * 20) for _ in range(40)]
+    passes[7] = _pass([0.001] * 19 + [0.021])
+    figures = pass_figures(passes, [], skip=2)
+    parts = figures["samples_per_s_parts"]
+    assert len(parts) == 2 and parts[1] == pytest.approx(64_000) and parts[0] == pytest.approx(13 * 1152 / 0.254)
+    assert figures["noise"] < 0.1
+    assert figures["samples_per_s"] == pytest.approx(40 * 1152 / (40 * 0.018 + 0.02))  # every pass still counts
