@@ -326,7 +326,7 @@ def bench(src, full, min_seconds, images, compare, formats, stores, resize, cent
           no_limits, tune_dest, prefetch_factors, pipelines, quiet) -> None:
     """Measure how fast SRC loads packed in each format against the folder itself, and say what to pack with.
 
-    By default, in about a minute: each format with store jpeg and raw (where it fits the disk), read by
+    By default, in a minute or two: each format with store jpeg and raw (where it fits the disk), read by
     make_loader's default loader with the training and the validation pipeline, warm and cold, each figure read
     for --min-seconds; the verdict first (the pack command, its speed over the folder, its size on disk, the
     choice if disk is short, how few workers keep a training step fed), then the table (each row printed live on

@@ -1,6 +1,6 @@
 """``packer bench``: measure how fast packed datasets load against the raw image folder, and what bounds them.
 
-:func:`run_quick` (``packer bench SRC``) measures what decides the choice, in about a minute: each format with
+:func:`run_quick` (``packer bench SRC``) measures what decides the choice, in a minute or two: each format with
 store jpeg and raw (where it fits the disk), read by make_loader's default loader with the training and the
 validation pipeline, warm and cold, each figure read for a minimum time (:mod:`~packer.bench.passes`); it prints
 each row as it finishes (:mod:`~packer.bench.live`) and puts its verdict first (:mod:`~packer.bench.verdict`): the
