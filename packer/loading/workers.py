@@ -26,6 +26,8 @@ block or two ahead of the decoders, since the batches in flight span whole windo
 from __future__ import annotations
 
 import collections
+import contextlib
+import faulthandler
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -36,6 +38,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -50,6 +53,7 @@ from ..system import close_fds, die_with_parent
 from .fetchahead import blocked_reader
 
 Layout = tuple[tuple[tuple[int, ...], torch.dtype], ...]  # a slot's arrays: (row shape, dtype) each
+STACKS_SIGNAL: int | None = getattr(signal, "SIGUSR1", None)  # makes a worker write its threads' stacks to stderr
 
 
 class SharedSlots:
@@ -171,6 +175,9 @@ def _work(dataset: Any, conn: multiprocessing.connection.Connection, worker_id: 
     close_fds(not_mine)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle; it stops the workers
+    if STACKS_SIGNAL is not None:  # where it is stuck, when the loader times out (not on Windows)
+        with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):  # no usable stderr
+            faulthandler.register(STACKS_SIGNAL, all_threads=True)
     torch.set_num_threads(1)
     torch.manual_seed(seed + worker_id)
     random.seed(seed + worker_id)
@@ -384,8 +391,10 @@ class WorkerPool:
         sentinels = {p.sentinel: w for w, p in enumerate(self.processes)}
         ready = multiprocessing.connection.wait([*self.conns, *sentinels], self.timeout)
         if not ready:
+            told = self._tell_stacks()
             raise PackerError(f"no batch from the loader's {len(self.processes)} worker processes in "
-                              f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.where}")
+                              f"{self.timeout:g} s (timeout=); a worker may be stuck reading {self.where}"
+                              f"{' (each worker wrote where it is to stderr)' if told else ''}")
         for worker in [self.conns.index(c) for c in ready if c in self.conns]:
             conn = self.conns[worker]
             try:
@@ -401,6 +410,20 @@ class WorkerPool:
             self.done[key] = (None, error) if error is not None else (self._batch(array, rows, labels), None)
         for w in [sentinels[r] for r in ready if r in sentinels]:  # a worker ended: only close() ends one
             self._ended(w)
+
+    def _tell_stacks(self) -> bool:
+        """Have each worker write every thread's stack to stderr (:func:`faulthandler.register` in :func:`_work`,
+        which runs even in a worker stuck inside C code), for the message of a loader that timed out."""
+        if STACKS_SIGNAL is None:
+            return False
+        told = False
+        for process in self.processes:
+            with contextlib.suppress(OSError, TypeError):  # gone already, or never started (no pid)
+                os.kill(process.pid, STACKS_SIGNAL)
+                told = True
+        if told:
+            time.sleep(0.5)  # the dumps are written by the workers' own signal handlers
+        return told
 
     def _ended(self, worker: int) -> None:
         """Raise the one-line error for a worker process that ended."""

@@ -153,6 +153,33 @@ def test_a_killed_worker_is_an_error_not_a_hang(pack):
             pass
 
 
+def test_a_stuck_worker_times_out_in_one_line_and_writes_where_it_is_stuck(pack, capfd):
+    """A worker stuck in a read (a hung network mount, here a read that never returns) is the loader's timeout
+    error, one line, and each worker writes every thread's stack to stderr first: where it was stuck."""
+    ds = packer.open_dataset(pack("lmdb", "raw"))
+    parent = os.getpid()
+
+    class StuckReads(type(ds)):
+        def decode_slot(self, indices, arrays):
+            if os.getpid() != parent:
+                time.sleep(LIVENESS)  # a read that never returns
+            return super().decode_slot(indices, arrays)
+
+    ds.__class__ = StuckReads
+    loader = packer.make_loader(ds, batch_size=BATCH, num_workers=2, timeout=2)
+    try:
+        with pytest.raises(PackerError, match=r"no batch from the loader's 2 worker processes in 2 s \(timeout=\); a "
+                                              r"worker may be stuck reading .*\(each worker wrote where it is to "
+                                              r"stderr\)$") as info:
+            next(iter(loader))
+        assert "\n" not in str(info.value)
+        err = capfd.readouterr().err
+        assert err.count("(most recent call first)") >= 2 and "in decode_slot" in err, err[-2000:]
+    finally:
+        for process in loader.worker_pool.processes:
+            process.kill()
+
+
 def test_dropped_loader_stops_its_workers(pack):
     def start() -> list[int]:
         loader = packer.make_loader(packer.open_dataset(pack("lmdb", "raw")), batch_size=BATCH, num_workers=2)
