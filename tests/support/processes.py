@@ -87,7 +87,7 @@ def launch(jobs: list[dict], tmp: Path, name: str, ranks: int = 0) -> None:
         cmd = [sys.executable, str(RESUME_WORKER), str(spec)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-12000:]  # a hung worker's stacks too
 
 
 def read_out(path: str, rank: int = 0) -> dict:
