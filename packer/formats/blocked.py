@@ -43,6 +43,10 @@ class BlockStore(Protocol):
         room for it now."""
         ...
 
+    def others_wait(self) -> bool:
+        """Whether a reader (of any process) waits for room in the store now: blocks held ahead of need make way."""
+        ...
+
 
 class BlockedSource(Protocol):
     """A dataset to read a block at a time, as the entry point found it (``packer.remote.ranges.BlockedRemote``)."""
@@ -182,6 +186,10 @@ class BlockedReader(Reader):
     def hold_block(self, block: int, wait: bool = False) -> Callable[[], None] | None:
         """Fetch block ``block`` ahead and keep it until the returned call (None: no room now)."""
         return self.store.hold(*self.block_range(block), wait=wait)
+
+    def others_wait(self) -> bool:
+        """Whether a reader (of any process) waits for room in the block store now (the fetch-ahead lets go)."""
+        return self.store.others_wait()
 
     def _block(self, block: int) -> memoryview:
         """Block ``block``'s bytes, opened when this process has not kept them, and kept among the last ``keep``

@@ -215,6 +215,10 @@ class LocalBlocks:
         cache (``POSIX_FADV_DONTNEED``)."""
         return memoryview(read_uncached(self.root / relpath, start, end))
 
+    def others_wait(self) -> bool:
+        """Never: no other process waits for room in this process's page-cache budget."""
+        return False
+
     def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:
         """Have the kernel read the block into the page cache (:func:`read_ahead`: on a fetch thread, returning
         once it is there); the returned call drops it (:func:`drop`). Never None: the loader holds no more blocks

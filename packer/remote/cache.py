@@ -222,7 +222,7 @@ class Cache:
                 os.unlink(path)
             _close(fd)
 
-    def _others_wait(self) -> bool:
+    def others_wait(self) -> bool:
         """Whether a reader (of any process) waits for room: a file in ``waiting/`` whose lock is held (one whose
         holder died is free, and removed)."""
         with contextlib.suppress(OSError), os.scandir(self._waiting) as found:
@@ -370,7 +370,7 @@ class Cache:
         entries = sorted(self.entries())
         total = sum(s for _, s, _ in entries)
         seen = hash(frozenset(path for _, _, path in entries))
-        if _OPPORTUNISTIC.get() and total + size > self.limit and self._others_wait():
+        if _OPPORTUNISTIC.get() and total + size > self.limit and self.others_wait():
             raise CacheFull(f"{self.root}: a reader waits for room", self, seen)  # a fetch ahead makes way
         for _, bytes_, path in entries:
             if total + size <= self.limit:

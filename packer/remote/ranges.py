@@ -162,6 +162,11 @@ class RemoteBlocks:
         pin = self._pin(relpath, start, end, wait)
         return None if pin is None else pin.release
 
+    def others_wait(self) -> bool:
+        """Whether a reader of the node's cache (of any process) waits for room in it now."""
+        cache = self.cache
+        return cache.limit is not None and cache.others_wait()
+
     def open(self, relpath: str, start: int, end: int) -> memoryview:
         """Block ``[start, end)`` of ``relpath``, fetched first when it is not cached (waiting for room as
         :meth:`hold` does): a read-only map of the cached object. The map stays valid for as long as it is

@@ -424,6 +424,7 @@ class _SizedBlocks:
 
     def __init__(self, sizes: list[int]):
         self.sizes, self.held, self.most, self.lock = np.array(sizes), set(), 0, threading.Lock()
+        self.waiting = False  # whether another reader of the cache waits for room
 
     def block_of(self, indices):
         return np.asarray(indices)
@@ -436,6 +437,9 @@ class _SizedBlocks:
             self.held.add(block)
             self.most = max(self.most, int(self.sizes[list(self.held)].sum()))
         return lambda: self.held.discard(block)
+
+    def others_wait(self) -> bool:
+        return self.waiting
 
 
 def test_the_fetch_ahead_holds_the_bytes_of_ahead_blocks_more_of_them_where_they_are_short():
@@ -455,6 +459,35 @@ def test_the_fetch_ahead_holds_the_bytes_of_ahead_blocks_more_of_them_where_they
     assert sorted(reader.held) == [0, 1, 2, 3, 4] and reader.most == 140
     fetching.stop()
     assert reader.held == set()  # released as it stopped
+
+
+def test_the_fetch_ahead_lets_go_of_its_blocks_while_another_reader_waits_for_room():
+    """Readers sharing a small cache each hold up to most of it fetched ahead: while one waits for room, the
+    others' fetch-aheads let go of every block they hold and fetch none, then fetch ahead again once it has its
+    room (with the pins kept, three readers each waited for good on a block none had room for)."""
+    from packer.loading.fetchahead import FetchAhead
+    from packer.state import Progress
+
+    reader = _SizedBlocks([100] * 8)
+    owner = _SizedBlocks([])  # the iterator the caller holds: anything weakly referenced
+
+    def held_becomes(blocks: set[int]) -> bool:
+        deadline = time.monotonic() + 10
+        while reader.held != blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return reader.held == blocks
+
+    fetching = FetchAhead(reader, list(range(8)), 1, Progress(None, 8), owner, ahead=4)
+    try:
+        assert held_becomes({0, 1, 2, 3})
+        reader.waiting = True
+        assert held_becomes(set())
+        time.sleep(0.1)
+        assert reader.held == set()  # nothing fetched ahead while the other waits
+        reader.waiting = False
+        assert held_becomes({0, 1, 2, 3})
+    finally:
+        fetching.stop()
 
 
 def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(packs, server, truth, tmp_path):
