@@ -3,7 +3,8 @@
 Rows are matched by what they read and how (dataset, store, pipeline, cache, workers), a --full run's by the epoch
 that stands for its cache (:func:`~packer.bench.chart.steady`), so a quick run compares with a --full one. A change
 is "within noise" where it is no larger than twice the two rates' noise combined (:func:`~packer.bench.measure.change`;
-a rate without a noise figure counts :data:`~packer.bench.measure.DEFAULT_NOISE`). What differs between the two
+a rate without a noise figure counts :data:`~packer.bench.measure.DEFAULT_NOISE`); each rate's noise includes how much
+its run's machine moved between figures (:func:`~packer.bench.measure.add_drift`). What differs between the two
 machines and package versions is said first, with each run's command and load average.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from .chart import steady
 from .machine import load_text
-from .measure import change
+from .measure import add_drift, change
 
 Key = tuple[str, str, str, str, int]
 
@@ -34,6 +35,7 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
         raise UsageError(f"{p}: not a packer bench results.json ({exc})") from None
     if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
         raise UsageError(f"{p}: not a packer bench results.json (it has no rows)")
+    add_drift(results)  # a run written before the machine's drift was part of each row's noise
     return results
 
 

@@ -273,6 +273,26 @@ def spread(rates: list[float]) -> float | None:
 DEFAULT_NOISE = 0.05  # the noise taken for a rate whose own could not be measured
 
 
+def machine_drift(limits: dict[str, Any] | None) -> float | None:
+    """How much the machine's speed moved between a run's figures: the spread of each dataset's decode-ceiling
+    rounds, taken one beside each of its figures (:func:`~packer.bench.limits.interleaved_ceiling`), pooled (their
+    root mean square); None where no dataset has two rounds (``--no-limits``, or no validation pipeline)."""
+    decode = (limits or {}).get("decode") or {}
+    spreads = [spread(e["rounds"]) for e in decode.values() if isinstance(e, dict) and len(e.get("rounds") or []) >= 2]
+    known = [s for s in spreads if s is not None]
+    return math.sqrt(statistics.fmean(s * s for s in known)) if known else None
+
+
+def add_drift(results: dict[str, Any]) -> None:
+    """Each row's ``noise``: its own (``noise_within``: how much its rate moved while it was measured) combined
+    with ``machine_drift``, how much the machine's speed moved between figures: two figures taken minutes apart,
+    in one run or in two, differ by both. Idempotent; a run written before drift was recorded gets it on load."""
+    drift = results["machine_drift"] = machine_drift(results.get("limits"))
+    for row in results["rows"]:
+        within = row["noise_within"] = row.get("noise_within", row.get("noise"))
+        row["noise"] = math.hypot(within, drift) if within is not None and drift is not None else within
+
+
 def change(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Row ``b``'s rate against row ``a``'s: the relative change, the noise of the difference (twice the two
     rates' noise combined, about a 95% interval) and whether the change is within it."""

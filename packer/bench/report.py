@@ -167,7 +167,9 @@ def notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, Any]) -
         notes.append("cold epoch 2 reads what epoch 1 left in the page cache: it shows re-reading, not a cold disk")
     if settings["repeats"] > 1:
         notes.append(f"each figure is the median of {settings['repeats']} runs, each with a fresh loader "
-                     "(samples_per_s_runs in results.json holds every run's rate)")
+                     "(samples_per_s_runs in results.json holds every run's rate); ± combines the spread of those "
+                     "runs (noise_within) with the machine's drift between figures, the spread of the decode-ceiling "
+                     "rounds taken beside them (machine_drift)")
     else:
         notes.append("each figure is one run (--repeats 1), not a median: use --repeats 3 for figures to publish")
     if any(r["eviction_ok"] is False for r in rows):
@@ -220,10 +222,12 @@ def quick_notes(settings: dict[str, Any], rows: list[dict], machine: dict[str, A
              "(or a part of a long one), each by a fresh loader whose workers started before the dataset's files "
              "were evicted from the page cache",
              f"the loader is make_loader's default ({plan}); each rate leaves out the first batch of each worker "
-             f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± is the standard "
-             "deviation of the rates of parts of its passes (of a cold figure: of its epochs), over their mean: how "
-             "much the machine's speed moved while it was measured (two figures differ beyond their noise where they "
-             "differ by more than twice their ± combined)",
+             f"(the loader filling its workers) where a pass has {skip_above}+ batches per worker; ± combines the "
+             "standard deviation of the rates of parts of its passes (of a cold figure: of its epochs) over their "
+             "mean, how much the machine's speed moved while it was measured (noise_within in results.json; the "
+             "live rows show it alone), with the machine's drift between figures, the spread of the decode-ceiling "
+             "rounds taken beside them (machine_drift); two figures, of this run or of two, differ beyond their "
+             "noise where they differ by more than twice their ± combined",
              "wait p50/p95/max: the milliseconds next(loader) waited for a batch"
              + (f", while a simulated {settings['step_ms']:g} ms training step followed each batch; step waits: "
                 "the share of that loop's time spent waiting for data" if settings["step_ms"] else

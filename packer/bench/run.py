@@ -20,7 +20,7 @@ from ..images.transforms import parse_size
 from ..system import usable_cores
 from .limits import add_ceilings, interleaved_ceiling, measure_limits
 from .machine import load_average, load_text, machine_busy, machine_info
-from .measure import add_speedups, check_signature, measure, output_signature
+from .measure import add_drift, add_speedups, check_signature, measure, output_signature
 from .pipelines import PIPELINES, parse_pipelines
 from .report import batches_per_epoch, figure_warnings, notes, write_outputs
 from .shuffle_quality import measure_shuffle_quality
@@ -120,6 +120,7 @@ def finish(results: dict[str, Any], load: dict[str, Any], command: str, kept: Pa
     load["busy"] = machine_busy(load["start"], load["end"], load["usable_cores"])
     results["load_average"] = load
     results["command"] = command
+    add_drift(results)
     judge(results)
     results["work"] = str(kept) if kept else None
     if out is not None:

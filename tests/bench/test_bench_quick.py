@@ -23,7 +23,7 @@ from packer import bench
 from packer.bench.chart import comparable_ceiling
 from packer.bench.compare import compare_lines
 from packer.bench.live import LiveTable
-from packer.bench.measure import Pass, spread
+from packer.bench.measure import Pass, add_drift, spread
 from packer.bench.passes import pass_figures
 from packer.bench.quick import fitting, raw_bytes
 from packer.bench.verdict import verdict
@@ -135,6 +135,9 @@ def test_results_json_keeps_every_figure_with_machine_command_load_and_versions(
                 "waits_ms", "batches", "seconds", "speedup_vs_folder", "bytes_on_disk", "plan"):
         assert all(key in r for r in results["rows"]), key
     assert {(c["dataset"], c["store"]) for c in results["conversions"]} == {(f, s) for f in FORMATS for s in STORES}
+    assert results["machine_drift"] is not None  # each validation dataset's ceiling was taken beside its 2 figures
+    for r in results["rows"]:
+        assert r["noise"] is None or r["noise"] >= r["noise_within"]
 
 
 @pytest.mark.slow
@@ -179,7 +182,7 @@ def test_compare_prints_what_changed_beyond_the_noise(quick, folder, tmp_path, r
     assert f"{rows} of {rows} rows within noise" in same.stdout.splitlines()
     assert "machine and package versions: the same" in same.stdout
     before = copy.deepcopy(quick[2])
-    before["rows"][0]["noise"] = 0.02  # a figure measured to within 2%
+    before["rows"][0]["noise_within"] = 0.02  # a figure measured to within 2%
     changed = copy.deepcopy(before)
     row = changed["rows"][0]
     row["samples_per_s"] *= 3
@@ -232,6 +235,25 @@ def test_raw_is_left_out_where_it_would_not_fit_the_disk(tmp_path):
     kept, skipped = fitting([jpeg, raw], FORMATS, 10**9, 10**12, tmp_path)  # 150 TB of pixels a format
     assert kept == [jpeg] and len(skipped) == 1
     assert skipped[0].startswith("store raw 256/224: 3 packs of about 150528.00 GB would not fit the ")
+
+
+def test_each_row_s_noise_adds_how_much_the_machine_moved_between_figures():
+    """The decode-ceiling rounds taken beside a run's figures move as the machine's speed does: their pooled spread
+    is the run's drift, which each row's noise combines with the row's own spread; applied again (a later
+    --compare reading the run), nothing changes."""
+    results = {"limits": {"decode": {"a": {"rounds": [90.0, 110.0]}, "b": {"rounds": [100.0, 100.0]},
+                                     "c": {"kind": "memcpy", "samples_per_s": None}}},
+               "rows": [{"noise": 0.03}, {"noise": None}]}
+    add_drift(results)
+    assert results["machine_drift"] == pytest.approx(0.1)  # spreads 0.1414 and 0: their root mean square
+    assert results["rows"][0]["noise"] == pytest.approx((0.03**2 + 0.1**2) ** 0.5)
+    assert results["rows"][0]["noise_within"] == 0.03 and results["rows"][1]["noise"] is None
+    again = copy.deepcopy(results)
+    add_drift(again)
+    assert again == results
+    unmeasured = {"limits": {}, "rows": [{"noise": 0.03}]}  # --no-limits: no rounds, the row's own noise alone
+    add_drift(unmeasured)
+    assert unmeasured["machine_drift"] is None and unmeasured["rows"][0]["noise"] == 0.03
 
 
 def _row(dataset, store, rate, size, pipeline="train", cache="warm", workers=2, noise=0.02, **extra):
