@@ -264,12 +264,19 @@ def quick_warnings(results: dict[str, Any]) -> list[str]:
                      "each (opening the files, each worker's first batch) is most of their time, as it would not be "
                      "on a larger dataset; benchmark more images for cold figures to rely on (e.g. "
                      f"`{SAMPLE_DATA}`)")
-    noisy = [r for r in rows if (r.get("noise") or 0) > NOISY]
+    def moved(row: dict[str, Any]) -> float:  # while it was measured: its own spread, not the drift between figures
+        return row.get("noise_within", row.get("noise")) or 0
+
+    noisy = [r for r in rows if moved(r) > NOISY]
     if noisy:
-        worst = max(noisy, key=lambda r: r["noise"])
+        worst = max(noisy, key=moved)
         found.append(f"{len(noisy)} rates moved by more than ±{NOISY:.0%} while measured (the most: "
                      f"{worst['dataset']} {worst['store']} {worst['pipeline']} {worst['cache']}, "
-                     f"±{worst['noise']:.0%}): the machine's speed changed under them; rerun on an idle machine")
+                     f"±{moved(worst):.0%}): the machine's speed changed under them; rerun on an idle machine")
+    drift = results.get("machine_drift")
+    if drift is not None and drift > NOISY:
+        found.append(f"the machine's speed moved by ±{drift:.0%} between figures (the decode-ceiling rounds taken "
+                     "beside them): figures taken apart differ by that much; rerun on an idle machine")
     return found
 
 

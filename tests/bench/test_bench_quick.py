@@ -256,6 +256,25 @@ def test_each_row_s_noise_adds_how_much_the_machine_moved_between_figures():
     assert unmeasured["machine_drift"] is None and unmeasured["rows"][0]["noise"] == 0.03
 
 
+def test_a_rate_is_warned_about_for_what_moved_while_it_was_measured_and_the_run_for_its_drift():
+    from packer.bench.report import quick_warnings
+
+    def warnings(within: float, drift: float | None) -> list[str]:
+        row = _row("hdf5", "jpeg 256/224", 5000, 300, noise=within, batches=40, seconds=1.0)
+        results = {"rows": [row], "settings": {"batch_size": 64}, "source": {"images": 2000},
+                   "load_average": {"busy": False}, "limits": {"decode": {"k": {"rounds": [1 - drift, 1 + drift]}}}
+                   if drift else {}}
+        add_drift(results)
+        return quick_warnings(results)
+
+    assert warnings(0.10, 0.0) == []
+    assert warnings(0.20, 0.1) == [], "within 25% while measured: the drift is in its ± (and --compare's), not warned"
+    [moved] = warnings(0.30, None)
+    assert moved.startswith("1 rates moved by more than ±25% while measured") and "±30%" in moved
+    [drifted] = warnings(0.10, 0.3)  # rounds 0.7 and 1.3: a spread of 42%
+    assert drifted.startswith("the machine's speed moved by ±42% between figures")
+
+
 def _row(dataset, store, rate, size, pipeline="train", cache="warm", workers=2, noise=0.02, **extra):
     return {"dataset": dataset, "store": store, "store_mode": store.split()[0], "pack_resize": 256, "pack_crop": 224,
             "pipeline": pipeline, "cache": cache, "workers": workers, "epoch": None, "samples_per_s": rate,
