@@ -43,8 +43,9 @@ class BlockStore(Protocol):
         room for it now."""
         ...
 
-    def others_wait(self) -> bool:
-        """Whether a reader (of any process) waits for room in the store now: blocks held ahead of need make way."""
+    def reader_stuck(self) -> bool:
+        """Whether a reader (of any process) has waited for room in the store for a while: blocks held ahead of
+        need make way."""
         ...
 
 
@@ -187,9 +188,10 @@ class BlockedReader(Reader):
         """Fetch block ``block`` ahead and keep it until the returned call (None: no room now)."""
         return self.store.hold(*self.block_range(block), wait=wait)
 
-    def others_wait(self) -> bool:
-        """Whether a reader (of any process) waits for room in the block store now (the fetch-ahead lets go)."""
-        return self.store.others_wait()
+    def reader_stuck(self) -> bool:
+        """Whether a reader (of any process) has waited for room in the block store for a while (the fetch-ahead
+        lets go)."""
+        return self.store.reader_stuck()
 
     def _block(self, block: int) -> memoryview:
         """Block ``block``'s bytes, opened when this process has not kept them, and kept among the last ``keep``

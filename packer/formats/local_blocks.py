@@ -215,8 +215,8 @@ class LocalBlocks:
         cache (``POSIX_FADV_DONTNEED``)."""
         return memoryview(read_uncached(self.root / relpath, start, end))
 
-    def others_wait(self) -> bool:
-        """Never: no other process waits for room in this process's page-cache budget."""
+    def reader_stuck(self) -> bool:
+        """Never: no reader waits for room in this process's page-cache budget."""
         return False
 
     def hold(self, relpath: str, start: int, end: int, wait: bool = True) -> Callable[[], None] | None:

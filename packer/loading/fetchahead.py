@@ -16,11 +16,12 @@ order they will be read, so that each request's latency overlaps the others' and
 process keeps for every pass: ``FETCHERS`` at first, then as many as a fetch's time at the rate the batches use
 blocks needs (:class:`_Pace`), up to what the bytes held allow.
 Correctness never depends on it: a decoder that needs a block not yet there fetches it itself (the cache makes
-one process fetch, the others wait). When the cache has no room the thread waits. While a reader of the cache (a
-decoder of any process) waits for room, the thread lets go of every block it holds for the pass and fetches
-none until that reader has its room: readers sharing a small cache each hold up to most of it ahead, and with
-those pins kept, each could wait for good on a block none had room for. The thread stops with the pass, when
-the caller drops the iterator, or when the loader starts another pass.
+one process fetch, the others wait). When the cache has no room the thread waits. Once a reader of the cache (a
+decoder of any process) has waited for room for ``STUCK_AFTER`` seconds (room normally comes within a batch or two,
+as batches go by), the thread lets go of every block it holds for the pass and fetches none until that reader has
+its room: readers sharing a small cache each hold up to most of it ahead, and with those pins kept, each could
+wait for good on a block none had room for. The thread stops with the pass, when the caller drops the iterator,
+or when the loader starts another pass.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class FetchAhead:
                                        args=(self.fetchers, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
                                              (sizes, budget), self.stop_event, _next_blocks(reader, then),
-                                             getattr(reader, "others_wait", _nobody_waits)))
+                                             getattr(reader, "reader_stuck", _nobody_waits)))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -235,7 +236,7 @@ class FetchAhead:
     @staticmethod
     def _run(fetchers: _Fetchers, order: np.ndarray, last: np.ndarray, progress: Any, mapped: Callable[[], int],
              owner: weakref.ref, limits: tuple[np.ndarray, int], stop: threading.Event,
-             then: Callable[[], np.ndarray] | None, others_wait: Callable[[], bool]) -> None:
+             then: Callable[[], np.ndarray] | None, reader_stuck: Callable[[], bool]) -> None:
         sizes, budget = limits  # each block's bytes; the bytes held and fetched at most
         held: dict[int, Callable[[], None]] = {}  # position in ``order`` -> its release (a no-op: the next pass's)
         pace = _Pace(fetchers.count, fetchers.most)
@@ -257,7 +258,7 @@ class FetchAhead:
                     held.pop(k)()
                 while passed < len(order) and last[passed] < frontier:
                     passed += 1
-                if others_wait():  # a reader of the cache waits for room: what this pass holds ahead makes way
+                if reader_stuck():  # a reader of the cache has waited for room a while: what is held makes way
                     for k in [k for k in held if k < this_pass]:
                         held.pop(k)()
                     stop.wait(POLL)  # and nothing is fetched ahead until it has its room
@@ -297,7 +298,7 @@ class FetchAhead:
 
 
 def _nobody_waits() -> bool:
-    """``others_wait`` of a reader whose store no other reader shares."""
+    """``reader_stuck`` of a reader whose store no other reader shares."""
     return False
 
 

@@ -73,6 +73,9 @@ class CacheFull(RemoteError):
 
 
 WAIT_FOR_ROOM = 120.0  # seconds a reader waits for room in a full cache where nothing comes or goes
+# seconds a reader waits for room before the blocks fetched ahead of need let go (packer.loading.fetchahead): room
+# normally comes within a batch or two as the readers' batches go by; a wait this long means the holders wait too
+STUCK_AFTER = 2.0
 _OPPORTUNISTIC = contextvars.ContextVar("packer_cache_opportunistic", default=False)
 
 
@@ -222,11 +225,16 @@ class Cache:
                 os.unlink(path)
             _close(fd)
 
-    def others_wait(self) -> bool:
-        """Whether a reader (of any process) waits for room: a file in ``waiting/`` whose lock is held (one whose
-        holder died is free, and removed)."""
+    def others_wait(self, waited: float = 0.0) -> bool:
+        """Whether a reader (of any process) waits for room, and has for ``waited`` seconds at least: a file in
+        ``waiting/`` (made as it began waiting) whose lock is held (one whose holder died is free, and removed)."""
+        began_before = time.time() - waited
         with contextlib.suppress(OSError), os.scandir(self._waiting) as found:
             for entry in found:
+                if waited:
+                    with contextlib.suppress(OSError):
+                        if entry.stat(follow_symlinks=False).st_mtime > began_before:
+                            continue
                 try:
                     fd = _open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
                 except OSError:

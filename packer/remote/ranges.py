@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import RemoteError
-from .cache import Cache, Pin, when_room
+from .cache import STUCK_AFTER, Cache, Pin, when_room
 from .fetch import _cat, retrying
 from .fs import filesystem
 from .resolve import FETCH_THREADS, fetch_file
@@ -162,10 +162,11 @@ class RemoteBlocks:
         pin = self._pin(relpath, start, end, wait)
         return None if pin is None else pin.release
 
-    def others_wait(self) -> bool:
-        """Whether a reader of the node's cache (of any process) waits for room in it now."""
+    def reader_stuck(self) -> bool:
+        """Whether a reader of the node's cache (of any process) has waited for room in it for ``STUCK_AFTER``
+        seconds or more."""
         cache = self.cache
-        return cache.limit is not None and cache.others_wait()
+        return cache.limit is not None and cache.others_wait(STUCK_AFTER)
 
     def open(self, relpath: str, start: int, end: int) -> memoryview:
         """Block ``[start, end)`` of ``relpath``, fetched first when it is not cached (waiting for room as

@@ -424,7 +424,7 @@ class _SizedBlocks:
 
     def __init__(self, sizes: list[int]):
         self.sizes, self.held, self.most, self.lock = np.array(sizes), set(), 0, threading.Lock()
-        self.waiting = False  # whether another reader of the cache waits for room
+        self.waiting = False  # whether a reader of the cache has waited for room a while
 
     def block_of(self, indices):
         return np.asarray(indices)
@@ -438,7 +438,7 @@ class _SizedBlocks:
             self.most = max(self.most, int(self.sizes[list(self.held)].sum()))
         return lambda: self.held.discard(block)
 
-    def others_wait(self) -> bool:
+    def reader_stuck(self) -> bool:
         return self.waiting
 
 

@@ -23,7 +23,7 @@ from support.remote import serve_files
 import packer
 import packer.remote.cache as cache_module
 from packer.errors import PackerError
-from packer.remote.cache import Cache, CacheFull, when_room
+from packer.remote.cache import STUCK_AFTER, Cache, CacheFull, when_room
 
 pytestmark = pytest.mark.usefixtures("quick_retries")
 
@@ -51,6 +51,20 @@ def test_fetches_ahead_make_way_for_a_reader_that_waits(tmp_path):
     assert waited is not None and waited.path.read_bytes() == blob(3)[1]
     held.release()
     assert list((tmp_path / "cache" / "waiting").iterdir()) == []  # each waiter removed its file as it let go
+
+
+def test_a_reader_stuck_for_a_while_is_told_apart_from_one_that_just_began_to_wait(tmp_path):
+    """Blocks fetched ahead are let go only for a reader that has waited ``STUCK_AFTER`` seconds: room normally
+    comes as the readers' batches go by, and a loader that let go whenever its own decoder waited a moment would
+    fetch ahead no more."""
+    cache = Cache(tmp_path / "cache", limit=200)
+    with cache.waiting():
+        assert cache.others_wait() and not cache.others_wait(STUCK_AFTER)
+        [path] = (tmp_path / "cache" / "waiting").iterdir()
+        began = time.time() - STUCK_AFTER - 1
+        os.utime(path, (began, began))  # as if it began waiting a while ago
+        assert cache.others_wait(STUCK_AFTER)
+    assert not cache.others_wait(), "the waiter removed its file as it let go"
 
 
 def test_a_reader_waits_while_others_make_progress(tmp_path, monkeypatch):
