@@ -198,7 +198,7 @@ class FetchAhead:
     (``indices``: this rank's samples, in order).
 
     Args:
-        reader: the blocked reader (``block_of``, ``block_bytes``, ``hold_block``).
+        reader: the blocked reader (``block_of``, ``block_bytes``, ``hold_block``, ``reader_stuck``).
         indices: the pass's sample indices on this rank, in order.
         batch_size: samples per batch.
         progress: the pass's :class:`~packer.state.Progress` (batches received so far).
@@ -222,7 +222,7 @@ class FetchAhead:
                                        args=(self.fetchers, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
                                              (sizes, budget), self.stop_event, _next_blocks(reader, then),
-                                             getattr(reader, "reader_stuck", _nobody_waits)))
+                                             reader.reader_stuck))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -295,11 +295,6 @@ class FetchAhead:
                     release()
             for release in held.values():
                 release()
-
-
-def _nobody_waits() -> bool:
-    """``reader_stuck`` of a reader whose store no other reader shares."""
-    return False
 
 
 def _fetched() -> None:
