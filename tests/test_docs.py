@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.packed import libjpeg_turbo_headers
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -249,10 +250,14 @@ def test_readme_install_commands_work_in_a_fresh_venv(tmp_path):
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(sys.prefix))
     script = " && ".join(steps + ["packer --help", "python -m packer --help", "pip show packer-data",
                                   'python -c "import packer, sys; print(packer.__file__)"',
+                                  'python -c "from packer.images import jpeg_window as j; '
+                                  'print(\'window decoder:\', j.libjpeg_turbo_version())"',
                                   f"mkdocs build --strict --quiet --site-dir {tmp_path / 'site'}"])
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tree, env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, f"{script}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert r.stdout.count("Usage:") == 2
     assert str(tree / "packer") in r.stdout  # this tree's packer, installed editable
+    if libjpeg_turbo_headers():  # the optional extension, built by the plain install where it can be
+        assert "window decoder: None" not in r.stdout and "window decoder: " in r.stdout, r.stdout[-3000:]
     assert (tmp_path / "site" / "reference" / "pack" / "index.html").is_file()

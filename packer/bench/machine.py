@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..images.jpeg_window import libjpeg_turbo_version
 from ..system import usable_cores
 
 VERSIONED = ("torch", "numpy", "pillow", "simplejpeg", "h5py", "lmdb", "webdataset")
@@ -73,6 +74,7 @@ def machine_info(work: str | os.PathLike | None = None, src: str | os.PathLike |
         "python": platform.python_version(), "packer": __version__,
         "versions": {name: _version(name) for name in VERSIONED},
         "start_method": mp.get_context().get_start_method(),
+        "window_decoder": libjpeg_turbo_version(),  # packer's JPEG window decoder: its libjpeg-turbo, or None
     }
     if work is not None:
         info["work_filesystem"] = filesystem_type(work)
@@ -85,8 +87,16 @@ def describe_machine(m: dict[str, Any]) -> str:
     v = m["versions"]
     return (f"{m['usable_cores']} usable cores ({m['cpu_model']}), {m['memory_gib']} GiB, Python {m['python']}, "
             f"torch {v['torch']}, Pillow {v['pillow']}, simplejpeg {v['simplejpeg']}, h5py {v['h5py']}, "
-            f"lmdb {v['lmdb']}, webdataset {v['webdataset']}, start method {m['start_method']}, work folder on "
-            f"{m.get('work_filesystem', '?')}")
+            f"lmdb {v['lmdb']}, webdataset {v['webdataset']}, {window_decoder(m)}, start method {m['start_method']}, "
+            f"work folder on {m.get('work_filesystem', '?')}")
+
+
+def window_decoder(m: dict[str, Any]) -> str:
+    """Whether packer's JPEG window decoder was built, from :func:`machine_info` (runs before it had none)."""
+    if "window_decoder" not in m:
+        return "window decoder not recorded"
+    version = m["window_decoder"]
+    return f"window decoder on libjpeg-turbo {version}" if version else "no window decoder (JPEGs decode whole)"
 
 
 

@@ -206,3 +206,13 @@ def stop_and_resume(make, take, stop: int, epoch_batches: int, make_resumed=None
     if stop < epoch_batches:
         seen += take(resumed)
     return seen
+
+
+def libjpeg_turbo_headers() -> bool:
+    """Whether this machine has libjpeg-turbo's development headers where the C compiler looks (Debian's
+    layout): where it does, ``pip install`` must build packer's window decoder (packer.images.jpeg_window)."""
+    include = Path("/usr/include")
+    configs = [include / "jconfig.h", *include.glob("*/jconfig.h")]
+    return (include / "jpeglib.h").exists() and any(
+        "LIBJPEG_TURBO_VERSION" in p.read_text(errors="replace") for p in configs if p.exists())
+
