@@ -24,6 +24,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from ..images.jpeg_window import available as window_decoder_available
+from ..images.jpeg_window import decode_window
 from ..images.resample import resample
 from ..images.transforms import INTERPOLATIONS, as_hwc, to_pil
 from .scratch import decode_scratch
@@ -186,15 +188,50 @@ def pil_window(arr: np.ndarray, window: Window, size: tuple[int, int], interpola
 
 
 def scaled_window(payload: bytes | memoryview, mode: str, full: tuple[int, int], window: Window,
-                  size: tuple[int, int], interpolation: str, out: np.ndarray | None = None) -> np.ndarray:
+                  size: tuple[int, int], interpolation: str, out: np.ndarray | None = None,
+                  partial: bool = False) -> np.ndarray:
     """The fast path of :func:`crop_resize` for a JPEG: decode at the largest DCT scale that keeps the scaled
     window at least ``MARGIN`` times ``size``, resample only the window, mirrored when flipped, into ``out``.
     Within 30 dB of the exact output (resampling a DCT-scaled image is close to, not the same as, antialiased
-    resampling of the full one)."""
+    resampling of the full one).
+
+    With ``partial`` (bytes packer decoded whole at pack time and whose crc32 the read checks) and bilinear
+    interpolation, only the part of the JPEG the resample reads is decoded (:func:`jpeg_part`), where packer's
+    window decoder was built: the same output, within a level of OpenCV's rounding."""
     h, w = full
-    arr = scaled_jpeg(payload, mode, full, -(-h * size[0] * MARGIN // window.height),
-                      -(-w * size[1] * MARGIN // window.width))
+    min_height, min_width = -(-h * size[0] * MARGIN // window.height), -(-w * size[1] * MARGIN // window.width)
+    if partial and interpolation == "bilinear":
+        part = jpeg_part(payload, mode, full, min_height, min_width, window)
+        if part is not None:
+            return resample(*part, size, out, window.flipped)
+    arr = scaled_jpeg(payload, mode, full, min_height, min_width)
     return resized_window(arr, full, window, size, interpolation, out)
+
+
+def jpeg_part(payload: bytes | memoryview, mode: str, full: tuple[int, int], min_height: int, min_width: int,
+              window: Window) -> tuple[np.ndarray, tuple[float, float, float, float]] | None:
+    """The part of a JPEG of ``full`` (height, width) that the bilinear resample of ``window`` reads, decoded
+    at :func:`scaled_jpeg`'s scale by :func:`~packer.images.jpeg_window.decode_window`, and the window's box in
+    its pixels: the same pixels :func:`scaled_jpeg` then :func:`scaled_box` give, less what the resample never
+    reads. None where that decoder was not built, or does not take the file, or finds it damaged: the caller
+    decodes it whole, which gives the error in the usual words. The pixels are this thread's scratch buffer."""
+    if not window_decoder_available():
+        return None
+    factor = dct_factor(full, min_height, min_width)
+    height, width, channels = -(-full[0] // factor), -(-full[1] // factor), 1 if mode == "L" else 3
+    sy, sx = height / full[0], width / full[1]
+    box = (window.left * sx, window.top * sy, (window.left + window.width) * sx, (window.top + window.height) * sy)
+    # the bilinear taps reach one pixel beyond the box; one more against OpenCV's fixed-point rounding
+    left, top = max(math.floor(box[0]) - 2, 0), max(math.floor(box[1]) - 2, 0)
+    right, bottom = min(math.ceil(box[2]) + 2, width), min(math.ceil(box[3]) + 2, height)
+    try:
+        pixels = decode_window(payload, mode == "L", factor, (left, top, right, bottom),
+                               decode_scratch((bottom - top) * width * channels))
+    except ValueError:
+        return None
+    if pixels is None:
+        return None
+    return pixels, (box[0] - left, box[1] - top, box[2] - left, box[3] - top)
 
 
 def write_image(img: Image.Image | np.ndarray, flipped: bool, out: np.ndarray | None) -> np.ndarray:

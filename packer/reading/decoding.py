@@ -291,8 +291,10 @@ class Decoding:
         full = self._full_size(index, sample)
         fast = self.decoder != "pil"
         if fast and not self._is_raw:
+            # a packed sample with a crc32 was decoded whole at pack time, and the read checks its bytes: a damaged
+            # tail below the window cannot go unnoticed by decoding only the window
             arr = self._scaled_jpeg(sample, name, full, lambda data: scaled_window(
-                data, self.spec.mode, full, window, size, self.interpolation, out))
+                data, self.spec.mode, full, window, size, self.interpolation, out, partial=sample.crc32 is not None))
             if arr is not None:
                 return arr
         if self._is_raw or fast:

@@ -21,6 +21,7 @@ from PIL import Image
 from support.packed import hwc, psnr
 
 import packer
+from packer.images import jpeg_window
 from packer.loading.sampler import EpochIndex
 from packer.reading.augment import uniform_stream
 
@@ -365,3 +366,36 @@ def test_damaged_images_are_one_line_errors_naming_the_file(tmp_path, source, de
         with pytest.raises(ImageError) as info:
             ds[index]
         assert str(info.value).startswith(str(root / "cat" / name)) and "\n" not in str(info.value)
+
+
+# -- the window decoder (packer.images.jpeg_window) ---------------------------------------------------------------
+
+@pytest.mark.skipif(not jpeg_window.available(), reason="built without libjpeg-turbo's headers")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_jpegs_decode_only_the_window_and_give_the_same_batches(pack, source, fmt, monkeypatch):
+    """A packed JPEG (checked whole at pack time, its crc32 checked as it is read) decodes only the part its
+    window needs, with the same batch as the whole decode; a folder's files, which nothing checked, decode whole."""
+    import packer.reading.augment as augment
+
+    parts = []
+    decode_window = augment.decode_window
+
+    def counted(*args, **kwargs):
+        parts.append(args[3])
+        return decode_window(*args, **kwargs)
+
+    items = [EpochIndex(i, e) for i, e in CASES]
+    ds = packer.open_dataset(pack(fmt, "original"), random_resized_crop=SIZE, flip=True, seed=3, threads=2)
+    monkeypatch.setattr(augment, "decode_window", counted)
+    batch = ds.__getitems__(items)
+    jpegs = sum(ds.relpath(i).endswith(".jpg") for i, _ in CASES)
+    assert len(parts) == jpegs > 0
+    monkeypatch.setattr(augment, "window_decoder_available", lambda: False)
+    whole = ds.__getitems__(items)
+    assert torch.equal(batch.images, whole.images) and torch.equal(batch.labels, whole.labels)
+    assert len(parts) == jpegs
+
+    monkeypatch.setattr(augment, "window_decoder_available", jpeg_window.available)
+    folder = packer.FolderDataset(source, random_resized_crop=SIZE, flip=True, seed=3)
+    folder.__getitems__(list(range(len(folder))))
+    assert len(parts) == jpegs
