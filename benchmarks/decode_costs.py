@@ -17,6 +17,9 @@ Training from the original files (RandomResizedCrop windows from ``(seed 0, epoc
   thread's scratch buffer;
 - ``lossless crop + decode``: the window's MCU-aligned crop by libjpeg-turbo's ``tjTransform`` (PyTurboJPEG, if
   importable, with the system's libturbojpeg), then simplejpeg on the cropped JPEG;
+- ``window decoder (packer)``: :mod:`packer.images.jpeg_window` (libjpeg-turbo's ``jpeg_crop_scanline`` and
+  ``jpeg_skip_scanlines``, the system's library); ``crop 224`` rows: the whole training crop
+  (:func:`~packer.reading.augment.scaled_window`) from the whole decode and from the window decoder's part;
 - ``partial decode (TurboJPEG 3)``: ``tj3SetCroppingRegion`` + ``tj3Decompress8`` through ctypes, with
   ``--tj3-lib`` (a libturbojpeg 3.x: no maintained Python package exposes it).
 """
@@ -36,9 +39,10 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from packer.images import jpeg_window
 from packer.images.resample import enlarge, resample
 from packer.images.transforms import center_box, center_region, is_image_file, resize_crop
-from packer.reading.augment import Window, sample_window, uniform_stream
+from packer.reading.augment import Window, sample_window, scaled_window, uniform_stream
 from packer.reading.scratch import decode_scratch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,10 +134,35 @@ def training_rows(paths: list[Path], repeats: int, tj3_lib: str | None) -> list[
     if tj3_lib:
         rows.append(("train originals: partial decode (TurboJPEG 3)",
                      best(_tj3_partial(tj3_lib, datas, headers, windows), n, repeats)))
+    if jpeg_window.available():
+        rows += window_decoder_rows(datas, headers, windows, repeats)
+    else:
+        print("window decoder: skipped (packer was installed without it)", file=sys.stderr)
     area = np.mean([win.height * win.width / (h * w)
                     for win, (h, w, _, _) in zip(windows, headers, strict=True)])
     print(f"mean window: {area:.0%} of the image", file=sys.stderr)
     return rows
+
+
+def window_decoder_rows(datas: list[bytes], headers: list, windows: list[Window],
+                        repeats: int) -> list[tuple[str, float]]:
+    """packer's window decoder (full scale, as every window of these photographs is: see MARGIN) against the
+    whole decode, alone and within the training crop (:func:`scaled_window`, 224 px, into one output array)."""
+    n = len(datas)
+    out = np.empty((224, 224, 3), np.uint8)
+
+    def window_only() -> None:
+        for d, (_, w, _, _), win in zip(datas, headers, windows, strict=True):
+            region = (win.left, win.top, win.left + win.width, win.top + win.height)
+            jpeg_window.decode_window(d, False, 1, region, decode_scratch(win.height * w * 3))
+
+    def crop(partial: bool) -> Callable[[], None]:
+        return lambda: [scaled_window(d, "RGB", (h, w), win, (224, 224), "bilinear", out, partial=partial)
+                        for d, (h, w, _, _), win in zip(datas, headers, windows, strict=True)]
+
+    return [("train originals: window decoder (packer)", best(window_only, n, repeats)),
+            ("train originals: crop 224, whole decode", best(crop(False), n, repeats)),
+            ("train originals: crop 224, window decoder (default)", best(crop(True), n, repeats))]
 
 
 def _aligned(win: Window, sub: str) -> tuple[int, int]:
