@@ -3,10 +3,10 @@
 libjpeg-turbo can skip the rows above a window without their inverse DCT (``jpeg_skip_scanlines``), decode only
 the columns of whole iMCUs that cover it (``jpeg_crop_scanline``) and stop after its last row. Neither Pillow nor
 simplejpeg exposes that, so packer carries a small C extension, ``packer.images._jpeg_window``
-(``jpeg_window.c``), built against the system's libjpeg-turbo when ``pip install`` finds its headers (Debian and
-Ubuntu: ``libjpeg62-turbo-dev`` or ``libjpeg-turbo8-dev``; Fedora: ``libjpeg-turbo-devel``; conda:
-``libjpeg-turbo``). Without them the build is skipped and every JPEG is decoded whole, as before: same pixels,
-slower. :func:`available` says which, and ``packer bench`` names it with the machine.
+(``jpeg_window.c``, declared in ``setup.py``), built against the system's libjpeg-turbo when ``pip install`` finds
+a C compiler and its headers (Debian: ``libjpeg62-turbo-dev``; Ubuntu: ``libjpeg-turbo8-dev``; Fedora:
+``libjpeg-turbo-devel``). Without them the build is skipped and every JPEG is decoded whole, as before: same
+pixels, slower. :func:`available` says which, and ``packer bench`` names it with the machine.
 
 The pixels are a whole decode's at the same scale, cropped, except in the first and last column of a crop that
 does not start or end at the image's edge: libjpeg-turbo upsamples the chroma of those as at an edge. The
