@@ -209,20 +209,25 @@ def format_lines(dest: str, manifest: dict) -> list[str]:
 
 
 def class_count_lines(dest: str, manifest: dict) -> list[str]:
-    """Samples per class and in total, read from a local dataset's records (none for a URL: that would fetch it)."""
+    """Samples per class and in total: the manifest's ``class_counts`` (nothing else is read), else, for a local
+    dataset packed before the manifest recorded them, its records' (none for a URL: that would fetch it)."""
     from .formats import open_reader
 
-    if parse_url(dest) is not None or not manifest["classes"]:
-        return []  # a URL: counting would fetch the data; no classes: the header line has the total
-    try:
-        reader = open_reader(dest)
-        reader.open()
-        counts = reader.class_counts()
-    except PackerError as exc:  # info still summarises a damaged dataset; verify names what is wrong
-        return [f"  samples per class: unreadable ({exc}); run packer verify"]
+    if not manifest["classes"]:
+        return []  # no classes: the header line has the total
+    counts = manifest.get("class_counts")
+    if counts is None:
+        if parse_url(dest) is not None:
+            return []  # counting would fetch the data
+        try:
+            reader = open_reader(dest)
+            reader.open()
+            counts = reader.class_counts()
+        except PackerError as exc:  # info still summarises a damaged dataset; verify names what is wrong
+            return [f"  samples per class: unreadable ({exc}); run packer verify"]
     width = max(len(c) for c in manifest["classes"]) if manifest["classes"] else 0
     rows = [f"    {name:<{width}} {int(n):>10,}" for name, n in zip(manifest["classes"], counts, strict=False)]
-    return ["  samples per class:", *rows, f"    {'total':<{width}} {int(counts.sum()):>10,}"]
+    return ["  samples per class:", *rows, f"    {'total':<{width}} {sum(int(n) for n in counts):>10,}"]
 
 
 @main.command()

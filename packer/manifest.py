@@ -7,9 +7,11 @@ It is plain JSON (nothing in it is evaluated). Top-level keys:
 :class:`packer.images.transforms.TransformSpec`), ``shape`` ([H, W, C] when fixed, else null), ``dtype``, ``order``
 (shuffle, seed), ``checksum`` (the per-sample checksum algorithm), ``files`` (every data file with its size
 and sha256), ``skipped`` (unreadable files with their error), ``hidden_skipped``, ``empty_classes``,
-``scan_errors`` and ``options`` (the source and options of the conversion, which ``--resume`` on a finished
-dataset compares). A format adds keys of its own (WebDataset: ``shards``, per-shard sample counts): its module
-reads and checks them (:meth:`packer.formats.Reader.check_manifest`, run here through :func:`add_key_check`).
+``scan_errors``, ``options`` (the source and options of the conversion, which ``--resume`` on a finished
+dataset compares) and ``class_counts`` (the samples of each class, by label; what ``packer info`` shows without
+reading the data: datasets packed before it have none, and their counts are read from the format's index). A
+format adds keys of its own (WebDataset: ``shards``, per-shard sample counts): its module reads and checks them
+(:meth:`packer.formats.Reader.check_manifest`, run here through :func:`add_key_check`).
 """
 
 from __future__ import annotations
@@ -100,6 +102,14 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
     if (data["count"] < 0 or not all(isinstance(c, str) for c in classes)
             or data["class_to_idx"] != {c: i for i, c in enumerate(classes)}):
         raise ManifestError(f"{where}: classes, class_to_idx or count are inconsistent; re-pack the dataset")
+    counts = data.get("class_counts", [])
+    if not (isinstance(counts, list) and len(counts) == len(classes) or "class_counts" not in data) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise ManifestError(f"{where}: malformed 'class_counts' (one count a class); the dataset is damaged, "
+                            "re-pack it")
+    if sum(counts) > data["count"]:
+        raise ManifestError(f"{where}: 'class_counts' add up to {sum(counts)}, the manifest says {data['count']} "
+                            "samples; the dataset is damaged, re-pack it")
     for entry in data["files"]:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
                 and is_safe_relpath(entry["path"])):

@@ -80,12 +80,29 @@ def verify(dest: str | os.PathLike, deep: bool = False, progress: bool = False) 
     except PackerError as exc:
         return [*problems, str(exc)]
     problems += reader.count_problems()
+    problems += _class_count_problems(reader, manifest, dest)
     if damaged_files & set(reader.index_files()):  # every sample's label and location come from it
         deep = True
     if damaged_files or deep:
         problems += _check_samples(reader, manifest, deep, damaged_files, progress)
     problems += reader.member_problems(deep, damaged_files)
     return problems
+
+
+def _class_count_problems(reader: Reader, manifest: dict, dest: Path) -> list[str]:
+    """The manifest's ``class_counts`` (what ``packer info`` shows) against the data's."""
+    recorded = manifest.get("class_counts")
+    if recorded is None or not manifest["classes"]:
+        return []
+    try:
+        found = reader.class_counts().tolist()
+    except PackerError as exc:
+        return [str(exc)]
+    if found != recorded:
+        k = next((i for i, (a, b) in enumerate(zip(found, recorded, strict=False)) if a != b), 0)
+        return [f"{dest / 'manifest.json'}: 'class_counts' says {recorded[k]} samples of class "
+                f"{manifest['classes'][k]!r}, the data holds {found[k]}; re-pack"]
+    return []
 
 
 def _verify_url(url: str, deep: bool = False) -> list[str]:

@@ -36,9 +36,10 @@ def check_parts(manifest: dict, where: str) -> list[dict]:
 
 
 def part_manifest(manifest: dict, entry: dict) -> dict:
-    """The manifest one part would have on its own: its count, and its files and shards relative to it."""
+    """The manifest one part would have on its own: its count, and its files and shards relative to it (the
+    whole dataset's ``class_counts`` are not the part's: left out)."""
     prefix = entry["path"].rstrip("/") + "/"
-    sub = {k: v for k, v in manifest.items() if k != "parts"}
+    sub = {k: v for k, v in manifest.items() if k not in ("parts", "class_counts")}
     sub["count"] = entry["count"]
     for key in ("files", "shards"):
         if key in manifest:

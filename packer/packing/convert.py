@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from ..errors import ImageError, NothingPackedError, PackerError, warn
@@ -168,6 +169,9 @@ def convert_samples(dest: Path, plan: Plan, indices: Sequence[int], journal: dic
             raise NothingPackedError(f"{where}: none of the {len(indices)} images could be read; nothing was "
                                      "packed")
         extras = writer.close()
+        counts = conversion.class_counts()
+        if counts is not None:
+            extras["class_counts"] = counts
     except BaseException as exc:
         try:
             writer.abort()
@@ -184,7 +188,8 @@ class _Conversion:
     """Runs the workers and the writer, and keeps the journal that makes the conversion resumable.
 
     The journal (``.packer-in-progress``) records, each time the writer makes its output durable, how many
-    samples it holds, the source position to continue from, and the images skipped so far."""
+    samples it holds, the source position to continue from, the images skipped so far, and how many of the
+    durable samples each class has (the manifest's ``class_counts``: ``packer info`` answers from it)."""
 
     def __init__(self, source: Source, dest: Path, indices: Sequence[int], spec: TransformSpec, writer,
                  journal: dict, strict: bool, progress: bool, desc: str | None = None, on_progress=None):
@@ -198,6 +203,10 @@ class _Conversion:
         # the samples not yet durable: their count after writing and source position, 16 bytes each (tuples of
         # ints were ~150 and, for a writer that is durable only at the end, held for every sample of the run)
         self.pending_counts, self.pending_positions = array("q"), array("q")
+        self.pending_labels = array("q")
+        self.classes = len(source.classes)
+        # the durable samples per class; None where they are not known (a journal an earlier packer wrote)
+        self.durable_counts: np.ndarray | None = np.zeros(self.classes, np.int64)
 
     def restore(self, resuming: bool) -> None:
         state = self.journal.get("writer")
@@ -210,6 +219,9 @@ class _Conversion:
             return
         self.start = self.journal["position"]
         self.skipped = list(self.journal["skipped"])
+        kept_counts = self.journal.get("class_counts")
+        self.durable_counts = (np.asarray(kept_counts, np.int64) if isinstance(kept_counts, list)
+                               and len(kept_counts) == self.classes else None)
         print(f"packer: resuming {self.dest} after {kept} samples", file=sys.stderr)
 
     def _checkpoint(self, durable: int) -> None:
@@ -218,9 +230,27 @@ class _Conversion:
             return
         position = self.pending_positions[done - 1] + 1
         del self.pending_counts[:done], self.pending_positions[:done]
+        self._count_labels(done)
         self.journal.update(position=position, writer=self.writer.state(),
-                            skipped=[e for e in self.skipped if e["position"] < position])
+                            skipped=[e for e in self.skipped if e["position"] < position],
+                            class_counts=None if self.durable_counts is None else self.durable_counts.tolist())
         save(self.dest, self.journal)
+
+    def _count_labels(self, done: int) -> None:
+        """Add the first ``done`` pending samples' labels to the durable counts (-1, no class, is not counted)."""
+        labels = np.frombuffer(self.pending_labels, np.int64)[:done].copy()
+        del self.pending_labels[:done]
+        if self.durable_counts is not None:
+            counted = np.bincount(labels[labels >= 0], minlength=self.classes)
+            self.durable_counts = self.durable_counts + counted if len(counted) == self.classes else None
+
+    def class_counts(self) -> list[int] | None:
+        """Every written sample per class, once the writer closed (all of them durable); None for a dataset
+        without classes, or where the counts before a resume are not known."""
+        self._count_labels(len(self.pending_labels))
+        if not self.classes or self.durable_counts is None:
+            return None
+        return self.durable_counts.tolist()
 
     def consume(self, results: list[tuple]) -> None:
         for position, relpath, label, item, extras in results:
@@ -237,6 +267,7 @@ class _Conversion:
             durable = self.writer.write(label, relpath, item, extras)
             self.pending_counts.append(self.writer.count)
             self.pending_positions.append(position)
+            self.pending_labels.append(label)
             if durable is not None:
                 self._checkpoint(durable)
         self.bar.update(len(results))

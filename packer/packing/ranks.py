@@ -79,6 +79,9 @@ def merge(plan: Plan, dest: Path, world: int, started: float) -> dict[str, Any]:
     skipped = [e for info in infos for e in info["skipped"]]
     manifest = make_manifest(plan, count, extras, skipped, any(i["resumed"] for i in infos),
                                      time.time() - started)
+    counts = [info.get("class_counts") for info in infos]
+    if plan.source.classes and all(isinstance(c, list) for c in counts):  # else unknown: info reads the parts
+        manifest["class_counts"] = [sum(per_class) for per_class in zip(*counts, strict=True)]
     manifest["parts"] = [{"path": PART.format(r), "count": int(info["count"]), "range": info["range"]}
                          for r, info in enumerate(infos)]
     return manifest

@@ -50,8 +50,8 @@ def packs(tmp_path_factory) -> Path:
         shutil.copytree(root / "lmdb", parted / f"part-{r:05d}", ignore=shutil.ignore_patterns("*.json"))
     files = [{**e, "path": f"part-{r:05d}/{e['path']}"} for r in range(2) for e in manifest["files"]]
     parts = [{"path": f"part-{r:05d}", "count": COUNT, "range": [r * COUNT, (r + 1) * COUNT]} for r in range(2)]
-    (parted / "manifest.json").write_text(json.dumps({**manifest, "count": 2 * COUNT, "files": files,
-                                                      "parts": parts}))
+    (parted / "manifest.json").write_text(json.dumps({**manifest, "count": 2 * COUNT, "files": files, "parts": parts,
+                                                      "class_counts": [2 * n for n in manifest["class_counts"]]}))
     return root
 
 
@@ -138,10 +138,11 @@ def test_lmdb_index_holds_each_record_s_label_size_and_place(packs):
 
 def packed_without_the_index(dataset: Path, old: Path) -> Path:
     """A copy of the LMDB ``dataset`` at ``old`` as an earlier packer wrote it: no lmdb_index.npy, in the folder or
-    its manifest."""
+    its manifest, and no class counts in the manifest."""
     shutil.copytree(dataset, old)
     data = json.loads((old / "manifest.json").read_text())
     data["files"] = [e for e in data["files"] if e["path"] != INDEX]
+    del data["class_counts"]
     (old / "manifest.json").write_text(json.dumps(data))
     (old / INDEX).unlink()
     return old
@@ -186,10 +187,11 @@ def test_lmdb_index_whose_bytes_changed_is_refused_naming_it(packs, tmp_path):
     raw = bytearray((dest / INDEX).read_bytes())
     raw[-20] ^= 1  # the last row's label
     (dest / INDEX).write_bytes(bytes(raw))
-    result = CliRunner().invoke(main, ["info", str(dest)])  # info still summarises; the counts are not shown
+    result = CliRunner().invoke(main, ["info", str(dest)])  # info answers from the manifest's class counts
     assert result.exit_code == 0, result.output
-    assert f"samples per class: unreadable ({dest / INDEX}: sha256 differs" in result.output, result.output
-    assert not re.search(r"^\s+total\s", result.output, re.M), result.output
+    assert re.search(r"^\s+total\s+600$", result.output, re.M), result.output
+    with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs"):
+        packer.open_dataset(dest).reader.class_counts()
     ds = packer.open_dataset(dest)
     with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs") as caught:
         ds.read_batch([0, 1])

@@ -176,7 +176,7 @@ def manifest(dest: Path) -> dict:
 
 
 SAME_KEYS = ("format", "format_version", "count", "classes", "class_to_idx", "store", "transform", "shape", "dtype",
-             "order", "checksum", "skipped", "hidden_skipped", "empty_classes", "shards")
+             "order", "checksum", "skipped", "hidden_skipped", "empty_classes", "shards", "class_counts")
 
 
 def assert_same_dataset(dest: Path, reference: Path, fmt: str) -> None:
@@ -185,6 +185,8 @@ def assert_same_dataset(dest: Path, reference: Path, fmt: str) -> None:
         assert got.get(key) == want.get(key), key
     assert got["resumed"] is True and want["resumed"] is False
     assert got["source"]["images"] == want["source"]["images"] == N_IMAGES
+    # what `packer info` shows, counted across the interruptions (the journal keeps the durable samples' counts)
+    assert sum(got["class_counts"]) == N_IMAGES
     a, b = stored_samples(dest), stored_samples(reference)
     assert len(a) == len(b) == N_IMAGES
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
