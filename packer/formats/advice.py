@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import tokenize
 from collections.abc import Callable
 
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+# what numpy's .npy header parser raises for a damaged header (a changed byte can leave an unfinished literal,
+# which its tokenizer reports as tokenize.TokenError), and what mapping the file raises
+NPY_ERRORS = (OSError, ValueError, SyntaxError, TypeError, OverflowError, tokenize.TokenError)
 
 
 def advise(fd: int, start: int, end: int, advice_name: str) -> None:
@@ -78,3 +82,37 @@ def will_need(starts: np.ndarray, ends: np.ndarray, fd: int | None = None,
     for low, high in zip(lows.tolist(), highs.tolist(), strict=True):
         with contextlib.suppress(OSError, ValueError):  # advice only
             call(low, high - low)
+
+
+def map_npy(path: str | os.PathLike) -> tuple[np.ndarray, mmap.mmap]:
+    """A ``.npy`` file's array (never unpickled) and the map it views, mapped read-only for random access: a
+    per-sample index of which a batch reads a few rows reads a page for each, not the kernel's read-ahead window
+    around it (:func:`read_whole` before reading all of it). The file must hold exactly what its header says.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not a plain C-order ``.npy`` array of its size (for a damaged header numpy's parser
+            may raise any of :data:`NPY_ERRORS`).
+    """
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        if major not in (1, 2):
+            raise ValueError(f"npy format version {major}")
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        header, size = f.tell(), os.fstat(f.fileno()).st_size
+        count = int(np.prod(shape, dtype=np.int64))
+        if fortran or dtype.hasobject:
+            raise ValueError("not a plain C-order array")
+        if size != header + count * dtype.itemsize:
+            raise ValueError(f"{size} bytes, not the {header + count * dtype.itemsize} its header says")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    random_access(mapped)
+    return np.frombuffer(mapped, dtype, count, offset=header).reshape(shape), mapped
+
+
+def read_whole(mapped: mmap.mmap | None) -> None:
+    """Have the kernel read all of ``mapped`` at once, in large requests: before an array mapped for random access
+    (:func:`map_npy`) is read whole."""
+    if mapped is not None and len(mapped):
+        will_need(np.zeros(1, np.int64), np.array([len(mapped)], np.int64), mapped=mapped)

@@ -180,22 +180,42 @@ def test_lmdb_packed_before_the_index_reads_the_same_samples_and_labels(packs, t
 
 
 def test_lmdb_index_whose_bytes_changed_is_refused_naming_it(packs, tmp_path):
-    """The index holds the labels that class counts and ``packer info`` give: a byte changed since packing (same
-    size) is caught by its sha256 in the manifest, a one-line error naming the file, before anything uses it."""
+    """The index holds the labels that class counts give: a byte changed since packing (same size) is caught by its
+    sha256 in the manifest, a one-line error naming the file, before anything uses the whole index (class counts,
+    blocks, sizes). ``packer info`` answers from the manifest's counts, and a batch reads its samples' labels and
+    bytes from their records, never from the index, so both still give the right answers."""
     dest = tmp_path / "lmdb"
     shutil.copytree(packs / "lmdb", dest)
     raw = bytearray((dest / INDEX).read_bytes())
     raw[-20] ^= 1  # the last row's label
     (dest / INDEX).write_bytes(bytes(raw))
-    result = CliRunner().invoke(main, ["info", str(dest)])  # info answers from the manifest's class counts
+    result = CliRunner().invoke(main, ["info", str(dest)])
     assert result.exit_code == 0, result.output
     assert re.search(r"^\s+total\s+600$", result.output, re.M), result.output
-    with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs"):
-        packer.open_dataset(dest).reader.class_counts()
-    ds = packer.open_dataset(dest)
-    with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs") as caught:
-        ds.read_batch([0, 1])
-    assert "\n" not in str(caught.value)
+    ds, sound = packer.open_dataset(dest, decode=False), packer.open_dataset(packs / "lmdb", decode=False)
+    for (payload, label), (want, want_label) in zip(ds.read_batch([0, 1, COUNT - 1]),
+                                                    sound.read_batch([0, 1, COUNT - 1]), strict=True):
+        assert bytes(payload) == bytes(want) and label == want_label
+    for use in (ds.reader.class_counts, ds.reader.stored_sizes, lambda: ds.blocks(1 << 16)):
+        with pytest.raises(packer.CorruptDataError, match=re.escape(str(dest / INDEX)) + ": sha256 differs") as caught:
+            use()
+        assert "\n" not in str(caught.value)
+
+
+def test_lmdb_index_row_that_places_a_record_past_the_file_is_refused_as_it_is_read(packs, tmp_path):
+    """A damaged row is not checked at open (that would read the whole index), but its read-ahead never reaches
+    past data.mdb: reading that sample is one line naming the index and its row."""
+    dest = tmp_path / "lmdb"
+    shutil.copytree(packs / "lmdb", dest)
+    rows = np.load(dest / INDEX)
+    rows["record"][7] = 1 << 31
+    with open(dest / INDEX, "wb") as f:
+        np.save(f, rows)
+    ds = packer.open_dataset(dest, decode=False)
+    assert len(ds.read_batch([0, 1])) == 2
+    with pytest.raises(packer.CorruptDataError, match=re.escape(f"{dest / INDEX} row 7: places its record")) as caught:
+        ds.read_batch([6, 7])
+    assert "\n" not in str(caught.value) and "re-pack" in str(caught.value)
 
 
 def test_verify_deep_names_an_lmdb_index_that_disagrees_with_the_records(packs, tmp_path):
@@ -209,3 +229,23 @@ def test_verify_deep_names_an_lmdb_index_that_disagrees_with_the_records(packs, 
     assert any(f"{dest / INDEX}: sha256 differs" in p for p in problems), problems
     assert any("disagree with the records, the first for sample 5" in p for p in problems), problems
     assert np.array_equal(scan_index(dest, COUNT), np.load(packs / "lmdb" / INDEX))
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "parted"])
+def test_info_reads_the_manifest_alone(fmt, packs, tmp_path):
+    """``packer info`` of a dataset packed with its class counts in the manifest reads no other file: with every
+    file dropped from the page cache none comes back, and with the index (or every data file) gone it still gives
+    each class's count."""
+    dest = packs / fmt
+    dropped(dest)
+    result = CliRunner().invoke(main, ["info", str(dest)])
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"^\s+total\s+{(2 if fmt == 'parted' else 1) * COUNT:,}$", result.output, re.M), result.output
+    others = [p for p in dest.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    assert resident(others) == 0
+    bare = tmp_path / fmt
+    shutil.copytree(dest, bare, ignore=lambda folder, names: [n for n in names if n.endswith((".npy", ".mdb", ".h5",
+                                                                                                 ".tar"))])
+    result = CliRunner().invoke(main, ["info", str(bare)])
+    assert result.exit_code == 0 and "unreadable" not in result.output, result.output
+    assert re.search(rf"^\s+class1\s+{(2 if fmt == 'parted' else 1) * COUNT // 3}$", result.output, re.M), result.output

@@ -108,13 +108,56 @@ def test_wds_shard_counts_that_lie_together_with_the_count(packs, tmp_path):
     shards[0]["count"] += 10**12
     edit_manifest(dest, count=manifest["count"] + 10**12, shards=shards)
     one_line_error(CorruptDataError, "wds_index.npy", opened, dest)
-    # the count right, the shards' counts moved between shards: the index says which shard holds what
+    # the count right, the shards' counts moved between shards: the index says which shard holds what, and each
+    # row is checked against the manifest's counts as it is read (opening reads no row): the sample the counts
+    # moved is refused before it is returned, alone or in a batch, and verify checks every row
     dest2 = tmp_path / "ds2"
     shutil.copytree(packs("wds"), dest2)
     shards = json.loads((dest2 / "manifest.json").read_text())["shards"]
     shards[0]["count"], shards[1]["count"] = shards[0]["count"] + 1, shards[1]["count"] - 1
     edit_manifest(dest2, shards=shards)
-    one_line_error(CorruptDataError, "samples per shard", opened, dest2)
+    moved = shards[0]["count"] - 1  # shard 1's first sample, which the counts now put in shard 0
+    ds = packer.open_dataset(dest2)
+    assert ds[0] is not None
+    words = rf"wds_index\.npy row {moved}: names shard 1, where the manifest's shard counts put sample {moved} in " \
+        "shard 0"
+    one_line_error(CorruptDataError, words, lambda: ds[moved])
+    one_line_error(CorruptDataError, words, lambda: ds.read_batch([0, moved]))
+    assert_cli_one_line(cli("verify", str(dest2)), "samples per shard")
+
+
+@pytest.mark.parametrize(("column", "value", "words"), [
+    ("label", 99, "label 99 is not a class index"), ("shape", (0, 5, 3), r"shape \(0, 5, 3\) is not an"),
+    ("shard", 2, "names shard 2, where the manifest's shard counts put sample 5 in shard 1")])
+def test_wds_index_row_damaged_is_refused_as_it_is_read(packs, tmp_path, column, value, words):
+    """Opening reads no row of the shard index (it would read all of it): a damaged row is one line naming the
+    index and the row when that sample is read, alone or in a batch, never a wrong label or an IndexError; the
+    other samples still read, and ``packer verify`` checks every row."""
+    dest = copy(packs, tmp_path, "wds")
+    rows = np.load(dest / "wds_index.npy")
+    rows[column][5] = value
+    with open(dest / "wds_index.npy", "wb") as f:
+        np.save(f, rows)
+    ds = packer.open_dataset(dest)
+    assert len(ds) == 12 and ds[4] is not None and len(ds.read_batch([0, 11])) == 2
+    where = r"wds_index\.npy row 5: "
+    one_line_error(CorruptDataError, where + words, lambda: ds[5])
+    one_line_error(CorruptDataError, where if column == "shard" else where + words, lambda: ds.read_batch([4, 5]))
+    one_line_error(CorruptDataError, "wds_index.npy", ds.reader.class_counts)
+    assert_cli_one_line(cli("verify", str(dest)), "wds_index.npy")
+
+
+def test_hdf5_label_damaged_is_refused_as_it_is_read(packs, tmp_path):
+    """Opening reads no per-sample array of data.h5: a label out of range is one line naming the sample when it
+    is read, and class counts, which read every label, refuse it too."""
+    dest = copy(packs, tmp_path, "hdf5")
+    with h5py.File(dest / "data.h5", "r+") as f:
+        f["labels"][5] = 99
+    ds = packer.open_dataset(dest)
+    assert len(ds) == 12 and ds[4] is not None
+    one_line_error(CorruptDataError, r"data\.h5 sample 5: label 99 is not a class index", lambda: ds[5])
+    one_line_error(CorruptDataError, r"data\.h5 sample 5: label 99", lambda: ds.read_batch([4, 5]))
+    one_line_error(CorruptDataError, "label 99", ds.reader.class_counts)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -111,17 +111,18 @@ class Hdf5Reader(Reader):
             check_unchanged(self.path, self._file_id, now)  # replaced since the manifest was read
         try:
             with h5py.File(self.path, "r", locking=self.locking) as f:
-                self._check_file(f, self.path)
+                self._check_file(f, self.path, rows=False)
         except PackerError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise CorruptDataError(f"{self.path}: cannot read HDF5 ({exc}); run `packer verify`") from None
 
-    def _check_file(self, f: h5py.File, where: object) -> None:
+    def _check_file(self, f: h5py.File, where: object, rows: bool = True) -> None:
         """Check an open file's arrays against the manifest before anything is sized from either: every
         per-sample array holds ``count`` rows, ``offsets`` one more and inside ``images``, a fixed-shape
-        ``images`` has the manifest's shape and dtype, labels are class indices, shapes are images. Only
-        metadata and the small per-sample arrays are read. ``where`` names the file in errors."""
+        ``images`` has the manifest's shape and dtype, and with ``rows`` labels are class indices and shapes
+        are images (the local reader checks each sample's as it reads it, and every one where it uses them
+        whole: opening reads no per-sample array). ``where`` names the file in errors."""
         n = self._count
         arrays = {name: f[name] for name in ("images", "labels", "crc32", "shapes", "relpaths")}
         offsets = f["offsets"] if "offsets" in f else None
@@ -149,8 +150,9 @@ class Hdf5Reader(Reader):
             if arrays[name].dtype.kind not in "iu":
                 raise CorruptDataError(f"{where}: '{name}' is {arrays[name].dtype}, not integers; the file is "
                                        "damaged, re-pack")
-        self.check_labels(where, arrays["labels"][()])
-        self.check_shapes(where, arrays["shapes"][()])
+        if rows:
+            self.check_labels(where, arrays["labels"][()])
+            self.check_shapes(where, arrays["shapes"][()])
 
     def __len__(self) -> int:
         self.validate()
@@ -223,7 +225,14 @@ class Hdf5Reader(Reader):
             if not 0 <= a <= b <= len(self.images):
                 raise CorruptDataError(f"{self.describe(index)}: offsets out of range; run `packer verify`")
             payload = memoryview(self.images[a:b])
-        return _sample(index, payload, self.labels, self.shapes, self.crcs)
+        sample = _sample(index, payload, self.labels, self.shapes, self.crcs)
+        (height, width, channels), label = sample.shape, sample.label
+        if (not self.label_low <= label < self.label_high or height < 1 or width < 1
+                or channels != self.spec.channels):  # not checked at open: that would read every row
+            self.check_labels(self.describe(index), np.array([label]))
+            raise CorruptDataError(f"{self.describe(index)}: shape {sample.shape} is not an (H, W, "
+                                   f"{self.spec.channels}) image; the dataset is damaged, re-pack")
+        return sample
 
     def _field_map(self, field: Field) -> tuple[np.ndarray, np.ndarray | None]:
         """An extra field's values (typed, one row a sample) and no offsets, or its bytes and offsets."""
@@ -370,7 +379,9 @@ class Hdf5Reader(Reader):
         self._read_ahead(indices)
         for j, i in enumerate(indices):  # row copies: several times faster than np.take on a large axis 0
             out[j] = images[i]
-        return self.labels[indices]
+        labels = self.labels[indices]
+        self.check_labels(f"{self.path} (labels)", labels)
+        return labels
 
     def stored_sizes(self) -> np.ndarray:
         """Each sample's image bytes: from the offsets, or the fixed size of a raw image."""
@@ -380,9 +391,10 @@ class Hdf5Reader(Reader):
         return np.diff(np.asarray(self._whole(self.offsets), dtype=np.int64))
 
     def class_counts(self) -> np.ndarray:
-        """From the labels dataset, without touching an image."""
+        """From the labels dataset, without touching an image; every label checked first."""
         self.open()
         labels = np.asarray(self._whole(self.labels), dtype=np.int64)
+        self.check_labels(f"{self.path} (labels)", labels)
         return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
 
     def blocks(self, target_bytes: int) -> np.ndarray:
@@ -391,7 +403,9 @@ class Hdf5Reader(Reader):
 
     def stored_shapes(self) -> np.ndarray | None:
         self.open()
-        return np.asarray(self.shapes)
+        shapes = np.asarray(self._whole(self.shapes))
+        self.check_shapes(f"{self.path} (shapes)", shapes)
+        return shapes
 
     def relpath(self, index: int) -> str:
         self.open()
@@ -404,7 +418,13 @@ class Hdf5Reader(Reader):
         return FILENAME
 
     def count_problems(self) -> list[str]:
+        """The sample count against the manifest's, and every label and shape (``packer verify``)."""
         count = self.manifest["count"]
         if len(self.labels) != count:
             return [f"{self.path}: {len(self.labels)} samples, the manifest says {count}"]
+        try:
+            self.class_counts()
+            self.stored_shapes()
+        except CorruptDataError as exc:
+            return [str(exc)]
         return []

@@ -31,9 +31,11 @@ structured row a record, row ``i`` for key ``i`` (:mod:`.index`):
     offset  <u8   where the record's value starts in data.mdb, in bytes (its header's first byte)
     record  <u4   the value's length in bytes (header, path, payload and fields)
 
-``packer info``, class counts, stored sizes and blocks read it instead of the records, and each read has the
-kernel read exactly ``offset .. offset + record`` ahead. A dataset packed before the index existed is scanned once
-for it (:func:`.index.cached_index`).
+Class counts, stored sizes and blocks read it instead of the records (``packer info`` reads the manifest's
+``class_counts``), checked first against its sha256 and every label a class index; each read has the kernel read
+exactly ``offset .. offset + record`` ahead, from its rows alone (a row placing a record past ``data.mdb`` is
+refused): opening reads no row, and no sample's label or bytes ever come from the index. A dataset packed before
+the index existed is scanned once for it (:func:`.index.cached_index`).
 """
 
 from __future__ import annotations

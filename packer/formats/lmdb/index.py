@@ -24,6 +24,7 @@ import numpy as np
 
 from ...errors import CorruptDataError
 from ...manifest import sha256_file
+from ..advice import NPY_ERRORS, map_npy
 from ..layout import LocalSource
 from ..local_blocks import layout_folder
 from .pages import record_ranges
@@ -109,26 +110,48 @@ def check_index(rows: np.ndarray, count: int, path: object) -> np.ndarray:
     return rows
 
 
-def load_index(path: Path, count: int, sha256: str | None = None) -> np.ndarray:
-    """The index at ``path``, mapped (20 bytes a record: read as it is used) and checked: its shape, and its bytes
-    against ``sha256`` (the manifest's; once a process and file, forked workers inherit the check) when given.
+def check_sha(path: Path, sha256: str | None) -> None:
+    """The index's bytes against ``sha256`` (the manifest's; None checks nothing): read whole once a process and
+    file (forked workers inherit the check).
 
     Raises:
-        CorruptDataError: the file is missing, unreadable, not an index of ``count`` records, or its bytes differ
-            from ``sha256`` (one line naming it): its labels would be wrong, so it is not used.
+        CorruptDataError: they differ, or the file cannot be read (one line naming it): its labels would be
+            wrong, so it is not used whole.
     """
+    if sha256 is None:
+        return
     try:
         stat = os.stat(path)
         checked = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, sha256)
-        if sha256 is not None and checked not in _CHECKED:
+        if checked not in _CHECKED:
             if sha256_file(path) != sha256:
                 raise CorruptDataError(f"{path}: sha256 differs from the manifest (the LMDB index's bytes changed); "
                                        "run `packer verify` and re-pack")
             _CHECKED.add(checked)
-        rows = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CorruptDataError(f"{path}: cannot read the LMDB index ({exc}); run `packer verify` and re-pack") from None
-    return check_index(rows, count, path)
+
+
+def map_index(path: Path, count: int) -> tuple[np.ndarray, mmap.mmap]:
+    """The index at ``path`` and its map, mapped for random access (20 bytes a record: a batch reads the pages of
+    its rows, :func:`~packer.formats.advice.map_npy`) and its shape checked; its bytes are not read.
+
+    Raises:
+        CorruptDataError: the file is missing, unreadable, or not an index of ``count`` records (one line naming
+            it).
+    """
+    try:
+        rows, mapped = map_npy(path)
+    except NPY_ERRORS as exc:
+        raise CorruptDataError(f"{path}: cannot read the LMDB index ({exc}); run `packer verify` and re-pack") from None
+    return check_index(rows, count, path), mapped
+
+
+def load_index(path: Path, count: int, sha256: str | None = None) -> np.ndarray:
+    """The index at ``path``, mapped and checked: its shape, and its bytes against ``sha256`` when given
+    (:func:`check_sha`, :func:`map_index`)."""
+    check_sha(path, sha256)
+    return map_index(path, count)[0]
 
 
 def cached_index(root: Path, manifest: dict, cache_dir: str | os.PathLike | None = None) -> np.ndarray:

@@ -16,11 +16,11 @@ import numpy as np
 
 from ...errors import CorruptDataError, UsageError
 from ...fields import Field
-from ..advice import will_need
+from ..advice import read_whole, will_need
 from ..base import Reader, Sample, blocks_by_size
 from ..identity import FileId, changed_error, check_unchanged, file_id
 from ..layout import Layout, RangeSource
-from .index import INDEX, cached_index, load_index, scan_index
+from .index import INDEX, cached_index, check_sha, map_index, scan_index
 from .pages import record_ranges
 from .records import KEY_DIGITS, key, parse_record, record_fields, unpack_record
 
@@ -137,7 +137,7 @@ class LmdbReader(Reader):
     before it, a scan made once and kept in the packer cache folder: :func:`~.index.cached_index`), never from
     the records."""
 
-    HANDLES = ("env", "txn", "_rows", "_advice")
+    HANDLES = ("env", "txn", "_rows", "_rows_map", "_advice")
 
     @classmethod
     def close_process_handles(cls) -> None:
@@ -151,6 +151,8 @@ class LmdbReader(Reader):
         self.env: Any = None  # this process's lmdb Environment and read transaction (HANDLES), None until _open()
         self.txn: Any = None
         self._rows: np.ndarray | None = None  # the label-and-size index, mapped on first use
+        self._rows_map: Any = None  # the map it views (None: the scan of a dataset packed before it, in memory)
+        self._rows_checked = False  # whether the whole index was checked (index_rows(whole=True))
         self._advice: int | None = None  # this process's descriptor of data.mdb for read advice
         self._generation = -1
         self._file_id = file_id(self.root / "data.mdb")  # the file the manifest just read describes
@@ -160,12 +162,15 @@ class LmdbReader(Reader):
         self._index_sha = next((e.get("sha256") for e in self.manifest.get("files", [])
                                 if isinstance(e, dict) and e.get("path") == INDEX), None)
         self._data_name = str(self.root / "data.mdb")  # once: every decoded sample names itself for its errors
+        self._data_bytes = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        # the most any index row may place a record at: the manifest's size (a truncated file is refused on open)
+        self._data_end = self._data_bytes or (self._file_id.size if self._file_id is not None else 0)
 
     def _check_size(self, now: FileId) -> None:
         """LMDB maps the whole file and trusts it: reading a page past the end of a truncated file is SIGBUS, so
         a file shorter than the manifest says is refused before it is mapped."""
         path = self.root / "data.mdb"
-        expected = next((f["bytes"] for f in self.manifest.get("files", []) if f.get("path") == "data.mdb"), 0)
+        expected = self._data_bytes
         if now.size < expected:
             raise CorruptDataError(f"{path}: {now.size} bytes, the manifest says {expected}: the file is "
                                    "truncated; run `packer verify` and re-pack")
@@ -173,7 +178,8 @@ class LmdbReader(Reader):
     def _check_data(self) -> None:
         """Check the records against the manifest before anything is sized from it: as many records as the
         count, keys 0 to count-1 (the first and the last record), and those two well-formed samples. Every read
-        checks its record's header and label again."""
+        checks its record's header and label again; the index is checked where it is used whole
+        (:meth:`index_rows`), not here: a sample's label and bytes come from its record, never from the index."""
         path = self.root / "data.mdb"
         recorded, now = self._file_id, file_id(path)
         if recorded is None or now is None:
@@ -195,20 +201,28 @@ class LmdbReader(Reader):
                 sample, _ = unpack_record(cursor.value(), self.describe(index))
                 self.check_labels(self.describe(index), np.array([sample.label]))
                 self.check_shapes(self.describe(index), np.array([sample.shape]))
-        self.check_labels(self.root / INDEX, np.asarray(self.index_rows()["label"]))
 
-    def index_rows(self) -> np.ndarray:
-        """The label-and-size index, one row a record (:data:`.index.INDEX_DTYPE`): ``lmdb_index.npy``, mapped;
-        for a dataset packed before it, the scan :func:`~.index.cached_index` keeps (made once, said on stderr)."""
+    def index_rows(self, whole: bool = False) -> np.ndarray:
+        """The label-and-size index, one row a record (:data:`.index.INDEX_DTYPE`): ``lmdb_index.npy``, mapped
+        (a batch's read-ahead reads its rows' pages, nothing else); for a dataset packed before it, the scan
+        :func:`~.index.cached_index` keeps (made once, said on stderr). With ``whole``, for what uses every row
+        (class counts, sizes, blocks), it is checked first, once: its bytes against the manifest's sha256 and
+        every label a class index."""
         if self._rows is None:
             path = self.root / INDEX
             if not self._has_index:
                 self._rows = cached_index(self.root, self.manifest)
             else:
                 now = file_id(path)
-                if now is not None:  # missing: loading says so, naming the file
+                if now is not None:  # missing: mapping says so, naming the file
                     check_unchanged(path, self._index_id, now)  # replaced since the manifest was read
-                self._rows = load_index(path, self._count, self._index_sha)
+                self._rows, self._rows_map = map_index(path, self._count)
+        if whole and not self._rows_checked:
+            if self._has_index:
+                read_whole(self._rows_map)
+                check_sha(self.root / INDEX, self._index_sha)
+            self.check_labels(self.root / INDEX, np.asarray(self._rows["label"]))
+            self._rows_checked = True
         return self._rows
 
     def __len__(self) -> int:
@@ -266,9 +280,17 @@ class LmdbReader(Reader):
     def _read_ahead(self, indices: list[int] | int) -> None:
         """Have the kernel read these records now, exactly their bytes (with ``readahead``)."""
         if self.readahead:
-            rows = self.index_rows()[np.asarray(indices, np.int64).reshape(-1)]
+            at = np.asarray(indices, np.int64).reshape(-1)
+            rows = self.index_rows()[at]
             start = rows["offset"].astype(np.int64)
-            will_need(start, start + rows["record"], fd=self._advice)
+            end = start + rows["record"]
+            outside = np.flatnonzero((start < 0) | (end > self._data_end))  # never a read of the rest of the file
+            if len(outside):
+                k = int(outside[0])
+                raise CorruptDataError(f"{self.root / INDEX} row {int(at[k])}: places its record at bytes "
+                                       f"{int(start[k])}..{int(end[k])}, past data.mdb's {self._data_end}; the "
+                                       "index is damaged, run `packer verify` and re-pack")
+            will_need(start, end, fd=self._advice)
 
     def _parsed(self, index: int) -> Sample:
         # the hot path: check the header and slice the payload, without decoding the path or naming the sample
@@ -346,18 +368,18 @@ class LmdbReader(Reader):
         """Index ranges of about ``target_bytes`` of records: records are written in index order, so their
         values lie in the file roughly in that order. The sizes come from the index (no record is read)."""
         self.validate()
-        return blocks_by_size(np.asarray(self.index_rows()["record"], np.int64), target_bytes)
+        return blocks_by_size(np.asarray(self.index_rows(whole=True)["record"], np.int64), target_bytes)
 
     def class_counts(self) -> np.ndarray:
         """From the index's labels, without reading a record."""
         self.validate()
-        labels = np.asarray(self.index_rows()["label"], np.int64)
+        labels = np.asarray(self.index_rows(whole=True)["label"], np.int64)
         return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
 
     def stored_sizes(self) -> np.ndarray:
         """Each record's payload bytes, from the index."""
         self.validate()
-        return np.asarray(self.index_rows()["size"], np.int64)
+        return np.asarray(self.index_rows(whole=True)["size"], np.int64)
 
     def relpath(self, index: int) -> str:
         self.open()

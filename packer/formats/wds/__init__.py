@@ -29,7 +29,11 @@ lines, and the merge of a distributed conversion's parts.
 
 For random access packer also writes ``wds_index.npy``: one row per sample with its shard and the byte offset
 and size of its image payload (for ``.npy``, of the pixels after the header) and of its json member. Shards are
-written under ``.tmp`` names and renamed once complete.
+written under ``.tmp`` names and renamed once complete. Rows are in shard order, so the manifest's per-shard
+counts say which shard holds each sample: blocks come from them, and opening reads no row (only the index's
+header and size). Each row is checked as it is read (its shard where the counts put it, its label a class index,
+its shape an image): a damaged row is one line naming the index and the row. Class counts, stored sizes and
+shapes, and ``packer verify``, which use every row, check every row first.
 
 A reader maps each shard on first use and keeps it; a shard (or the index) replaced since the reader read its
 manifest, e.g. by ``packer pack --overwrite`` of the same DEST, is refused in one line rather than read at the

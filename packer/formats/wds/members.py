@@ -11,7 +11,6 @@ import io
 import json
 import mmap
 import tarfile
-import tokenize
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from PIL import Image
 from ...errors import CorruptDataError, PackerError, UsageError
 from ...fields import NUMERIC, Field, extra_fields
 from ...images.transforms import EXTENSION_BY_FORMAT
+from ..advice import NPY_ERRORS, map_npy
 from ..base import Sample, StreamSample
 
 # a row of wds_index.npy (and of the index built of shards other tools wrote): where a sample's members are
@@ -28,9 +28,6 @@ INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u8"), ("
                         ("json_size", "<u4"), ("label", "<i8"), ("crc32", "<u4"), ("shape", "<u2", (3,))])
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "ppm", "pgm", "npy")
 INDEX = "wds_index.npy"  # the shard index: one INDEX_DTYPE row a sample
-# what numpy's .npy header parser raises for a damaged header (a changed byte can leave an unfinished literal,
-# which its tokenizer reports as tokenize.TokenError)
-NPY_ERRORS = (OSError, ValueError, SyntaxError, TypeError, OverflowError, tokenize.TokenError)
 PARTIAL_INDEX = "wds_index.partial"  # index rows of the finished shards, while converting
 
 
@@ -152,11 +149,12 @@ def stored_bytes(field: Field, member: bytes | memoryview, where: str) -> bytes 
         raise CorruptDataError(f"{where}: member of field {field.name!r} is damaged ({exc}); re-pack") from None
 
 
-def load_index(path: Path) -> np.ndarray:
-    """The shard index at ``path``, memory-mapped (never unpickled); :class:`CorruptDataError` naming it, in one
-    line, whatever is damaged in its header."""
+def load_index(path: Path) -> tuple[np.ndarray, mmap.mmap]:
+    """The shard index at ``path`` and its map, mapped for random access (a row read is a page read) and never
+    unpickled (:func:`~packer.formats.advice.map_npy`); :class:`CorruptDataError` naming it, in one line,
+    whatever is damaged in its header, or when its size is not what its header says."""
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return map_npy(path)
     except NPY_ERRORS as exc:
         reason = " ".join(str(exc).split())[:200]
         raise CorruptDataError(f"{path}: cannot read the shard index ({type(exc).__name__}: {reason}); re-pack") \

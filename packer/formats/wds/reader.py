@@ -3,6 +3,7 @@ through their scan), checked against the manifest, read a block at a time by ran
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import mmap
@@ -18,7 +19,7 @@ import numpy as np
 from ...errors import CorruptDataError, ManifestError, PackerError, UsageError, warn
 from ...fields import PAIR_SCHEMA, Field, label_field
 from ...manifest import is_safe_relpath
-from ..advice import random_access, will_need
+from ..advice import random_access, read_whole, will_need
 from ..base import Reader, Sample, StreamSample, run_starts
 from ..identity import FileId, changed_error, check_unchanged, file_id
 from ..layout import Layout, RangeSource
@@ -66,7 +67,7 @@ class WdsReader(Reader):
     :meth:`from_shards`. For sequential or remote reading through the ``webdataset`` library, see
     :func:`packer.stream`."""
 
-    HANDLES = ("index", "maps")
+    HANDLES = ("index", "maps", "_index_map")
 
     def __init__(self, root, manifest: dict | None = None, foreign: ForeignShards | None = None):
         super().__init__(root, manifest)
@@ -76,38 +77,55 @@ class WdsReader(Reader):
         # told apart from the unopened state by their type; the shard index and a map of each shard (or None)
         self.index: Any = None
         self.maps: Any = None  # list[mmap.mmap | None]
+        self._index_map: mmap.mmap | None = None  # the map the index views (read ahead whole before a whole use)
         self.foreign = foreign  # shards packer did not write: their index, built from the tar headers
+        # where each shard's samples end, by the manifest's counts (rows are in shard order): a row is checked
+        # against them as it is read, so opening reads no row; None for shards packer did not write
+        counts = [int(s.get("count", 0)) for s in self.manifest.get("shards", [])]
+        self._ends: list[int] | None = None if foreign is not None else np.cumsum(counts, dtype=np.int64).tolist()
+        self._rows_checked = foreign is not None  # whether check_rows passed over every row (foreign: scanned)
         self._has_crc = "crc32" in self.manifest.get("checksum", "crc32")
         # the files the manifest just read describes: a reader maps each shard on first use, so a shard replaced
         # by a repack of DEST before then is refused rather than read at the old index's offsets
         self._file_ids = {path: file_id(path) for path in [*self.shard_paths, self.root / INDEX]}
 
     def _check_data(self) -> None:
-        """Check the index against the manifest and the shards before anything is sized from either: one row
-        per sample, the manifest's shard counts adding up to the count and matching the rows of each shard,
-        labels class indices and shapes images (a truncated shard is named per sample, as it is read). The index
-        is mapped, not read."""
+        """Check the index against the manifest before anything is sized from either, without reading its rows
+        (:meth:`_map_index`: a packer shard index of one row per sample, by its header and its size; the
+        manifest's shard counts adding up to the count). Each row is checked as it is read (:meth:`_row`: its
+        shard where the manifest's counts put it, its label a class index, its shape an image), so a damaged
+        row is one line of :class:`CorruptDataError` before any sample is made of it; what reads every row
+        (class counts, sizes, shapes, ``packer verify``) checks every row first (:meth:`check_rows`)."""
         if self.foreign is not None:  # built by scan_shards from the tar headers, checked there
             return
-        path = self.root / INDEX
-        self.check_rows(self._map_index(), path, self.root / "manifest.json")
+        self._map_index()
+        shards = self.manifest.get("shards", [])
+        if sum(int(s.get("count", 0)) for s in shards) != self._count:
+            raise self.bad_count(f"{self.root / 'manifest.json'} (its shard counts)",
+                                 sum(int(s.get("count", 0)) for s in shards))
 
     def _map_index(self) -> np.ndarray:
-        """The shard index, mapped (not read), and checked to be the file the manifest was read beside: a file
-        replaced since is refused, as a data file is."""
+        """The shard index, mapped (not read: its header and its size are), and checked to be the file the
+        manifest was read beside (a file replaced since is refused, as a data file is), of packer's row type
+        and one row per sample."""
         path = self.root / INDEX
-        index = load_index(path)
+        index, mapped = load_index(path)
         recorded, now = self._file_ids.get(path), file_id(path)
         if now is None or (recorded is not None and now != recorded):  # checked after mapping: the file mapped
             raise changed_error(path)
         self._file_ids[path] = now
+        if index.dtype != INDEX_DTYPE or index.ndim != 1:
+            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
+        if len(index) != self._count:
+            raise self.bad_count(path, len(index))
+        self._index_map = mapped
         return index
 
     def check_rows(self, index: np.ndarray, path: object, manifest_path: object) -> None:
-        """The checks of the shard index (``path`` and ``manifest_path`` name the files in messages) against the
-        manifest: one row per sample, the manifest's shard counts adding up to the count and matching the rows
-        of each shard, labels class indices and shapes images. Reads no file: the local reader checks its mapped
-        index so, :meth:`layout` the index it read by ranges."""
+        """The checks of every row of the shard index (``path`` and ``manifest_path`` name the files in messages)
+        against the manifest: one row per sample, the manifest's shard counts adding up to the count and matching
+        the rows of each shard, in shard order, labels class indices and shapes images. Reads no file: the local
+        reader checks its mapped index so (:meth:`checked_index`), :meth:`layout` the index it read by ranges."""
         shards = self.manifest.get("shards", [])
         if index.dtype != INDEX_DTYPE or index.ndim != 1:
             raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
@@ -126,6 +144,10 @@ class WdsReader(Reader):
         if per_shard.tolist() != counts:
             raise CorruptDataError(f"{path}: holds {per_shard.tolist()[:8]} samples per shard, the manifest says "
                                    f"{counts[:8]}; the dataset is damaged, re-pack")
+        wrong = np.flatnonzero(shard != np.repeat(np.arange(len(shards)), counts))  # rows are in shard order
+        if len(wrong):
+            raise CorruptDataError(f"{path}: row {int(wrong[0])} names shard {int(shard[wrong[0]])}, out of shard "
+                                   "order; the dataset is damaged, re-pack")
         self.check_labels(path, np.asarray(index["label"]))
         self.check_shapes(path, np.asarray(index["shape"]))
 
@@ -250,17 +272,7 @@ class WdsReader(Reader):
             self.maps = [None] * len(self.shard_paths)
         if self.index is not None:
             return
-        if self.foreign is not None:
-            self.index = self.foreign.index
-            return
-        path = self.root / INDEX
-        index = self._map_index()
-        if index.dtype != INDEX_DTYPE:
-            raise CorruptDataError(f"{path}: not a packer shard index ({index.dtype}); re-pack")
-        if len(index) != self._count:
-            raise CorruptDataError(f"{path}: holds {len(index)} samples, the manifest says {self._count}; "
-                                   "run `packer verify`")
-        self.index = index
+        self.index = self.foreign.index if self.foreign is not None else self._map_index()
 
     def _map(self, shard: int) -> mmap.mmap:
         m = self.maps[shard]
@@ -280,20 +292,56 @@ class WdsReader(Reader):
                 raise CorruptDataError(f"{path}: cannot map shard ({exc}); run `packer verify`") from None
         return m
 
+    def expected_shard(self, index: int) -> int:
+        """The shard that holds sample ``index`` by the manifest's counts (shards packer did not write: by the
+        index their scan built)."""
+        if self._ends is None:
+            return int(self.index[index]["shard"])
+        return bisect.bisect_right(self._ends, index)
+
+    def _row_error(self, index: int, shard: int, label: int, shape: Sequence[int]) -> CorruptDataError:
+        """The error for row ``index`` of the index, which :meth:`_row`'s checks refused."""
+        where = f"{self.root / INDEX} row {index}"
+        if shard != self.expected_shard(index):
+            what = (f"names shard {shard}, where the manifest's shard counts put sample {index} in shard "
+                    f"{self.expected_shard(index)}")
+        elif not self.label_low <= label < self.label_high:
+            what = f"label {label} is not a class index ({self.label_low}..{self.label_high - 1})"
+        else:
+            what = f"shape {tuple(shape)} is not an (H, W, {self.spec.channels}) image"
+        return CorruptDataError(f"{where}: {what}; the index is damaged, run `packer verify` and re-pack")
+
+    def _row(self, index: int) -> tuple:
+        """Row ``index`` of the index as a tuple (:data:`INDEX_DTYPE`'s fields), checked: its shard the one the
+        manifest's counts give, its label a class index, its shape an image; else :meth:`_row_error`."""
+        # one .item() for the whole row: a field at a time was a quarter of the read
+        row = self.index[index].item()
+        if self._ends is not None:
+            shard, label, shape = row[0], row[5], row[7]
+            if (shard != bisect.bisect_right(self._ends, index) or not self.label_low <= label < self.label_high
+                    or shape[0] < 1 or shape[1] < 1 or shape[2] != self.spec.channels):
+                raise self._row_error(index, shard, label, shape.tolist())
+        return row
+
     def read_many(self, indices: list[int]) -> list[Sample]:
-        """:meth:`read` of a batch: the kernel first told to read every sample's bytes, exactly, all at once."""
-        rows = self.index[np.asarray(indices, np.int64)]
+        """:meth:`read` of a batch: the rows checked, then the kernel told to read every sample's bytes, exactly,
+        all at once."""
+        at = np.asarray(indices, np.int64)
+        rows = self.index[at]
         shards, start = rows["shard"], rows["offset"].astype(np.int64)
+        if self._ends is not None:
+            wrong = shards != np.searchsorted(np.asarray(self._ends, np.int64), at, side="right")
+            if wrong.any():
+                k = int(np.flatnonzero(wrong)[0])
+                raise self._row_error(int(at[k]), int(shards[k]), int(rows["label"][k]), rows["shape"][k].tolist())
         for shard in np.unique(shards).tolist():
-            if shard < len(self.shard_paths):
-                mine = shards == shard
-                will_need(start[mine], start[mine] + rows["size"][mine].astype(np.int64), mapped=self._map(shard))
+            mine = shards == shard
+            will_need(start[mine], start[mine] + rows["size"][mine].astype(np.int64), mapped=self._map(shard))
         return [self.read(i) for i in indices]
 
     def read(self, index: int) -> Sample:
-        # one .item() for the whole row: a field at a time was a quarter of the read
-        shard, a, size, _, _, label, crc, shape = self.index[index].item()
-        if shard >= len(self.shard_paths):
+        shard, a, size, _, _, label, crc, shape = self._row(index)
+        if shard >= len(self.shard_paths):  # shards packer did not write: their scan names only theirs
             raise CorruptDataError(f"{self.describe(index)}: index names a missing shard; re-pack")
         return payload_sample(self._map(shard), a, size, label, crc if self._has_crc else None,
                               tuple(shape.tolist()), self.shard_paths[shard], index)
@@ -301,15 +349,13 @@ class WdsReader(Reader):
     def read_extras(self, index: int) -> tuple[memoryview | bytes, ...]:
         """The members after the json member, in order: each header names the field it should be (shards packer
         did not write: the members their scan found)."""
-        row = self.index[index]
-        shard = int(row["shard"])
+        shard, _, _, json_offset, json_size, _, _, _ = self._row(index)
         m = memoryview(self._map(shard))
         where = f"{self.shard_paths[shard]} sample {index}"
         if self.foreign is not None:
             return tuple(stored_bytes(field, m[int(a):int(a) + int(n)], where)
                          for field, (a, n) in zip(self.extra_fields, self.foreign.members[index], strict=True))
-        return field_members(m, after_json(int(row["json_offset"]), int(row["json_size"])), self.extra_fields,
-                             where)
+        return field_members(m, after_json(json_offset, json_size), self.extra_fields, where)
 
     def fields_checksum(self, index: int) -> int | None:
         if self.foreign is not None:
@@ -318,35 +364,46 @@ class WdsReader(Reader):
 
     def _info(self, index: int) -> dict:
         """Packer's json member of sample ``index``."""
-        row = self.index[index]
-        a, size = int(row["json_offset"]), int(row["json_size"])
-        return packer_info(self._map(int(row["shard"]))[a:a + size], self.describe(index))
+        shard, _, _, a, size, _, _, _ = self._row(index)
+        return packer_info(self._map(shard)[a:a + size], self.describe(index))
 
     def stored_array(self, index: int, sample: Sample) -> np.ndarray | None:
         if self.foreign is not None and tuple(sample.shape) != (0, 0, 0):  # a .npy member: uint8 pixels
             return self._as_array(index, sample, "uint8")
         return super().stored_array(index, sample)
 
+    def checked_index(self) -> np.ndarray:
+        """The whole index, every row checked first (:meth:`check_rows`, once), for what reads every row."""
+        self.open()
+        if not self._rows_checked:
+            read_whole(self._index_map)
+            self.check_rows(self.index, self.root / INDEX, self.root / "manifest.json")
+            self._rows_checked = True
+        return self.index
+
     def class_counts(self) -> np.ndarray:
         """From the index's labels, without mapping a shard."""
-        self.open()
-        labels = np.asarray(self.index["label"], dtype=np.int64)
+        labels = np.asarray(self.checked_index()["label"], dtype=np.int64)
         return np.bincount(labels[labels >= 0], minlength=len(self.manifest["classes"]))
 
     def stored_sizes(self) -> np.ndarray:
-        self.open()
-        return np.asarray(self.index["size"], dtype=np.int64)
+        return np.asarray(self.checked_index()["size"], dtype=np.int64)
 
     def stored_shapes(self) -> np.ndarray | None:
         if self.foreign is not None:
             return None  # (0, 0, 0) for encoded images: their size is in their headers
-        self.open()
-        return np.asarray(self.index["shape"])
+        return np.asarray(self.checked_index()["shape"])
 
     def blocks(self, target_bytes: int) -> np.ndarray:
-        """One block per shard, whatever ``target_bytes``: a shard is read from start to end."""
+        """One block per shard, whatever ``target_bytes``: a shard is read from start to end. Where each begins
+        comes from the manifest's shard counts (no row is read; a row in another shard is refused as it is
+        read)."""
         self.open()
-        return run_starts(self.index["shard"])
+        if self._ends is None:
+            return run_starts(self.index["shard"])
+        ends = np.asarray(self._ends, np.int64)
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        return starts[ends > starts]
 
     def relpath(self, index: int) -> str:
         if self.foreign is not None:
@@ -359,18 +416,24 @@ class WdsReader(Reader):
 
     def describe(self, index: int) -> str:
         if self.index is not None and 0 <= index < len(self.index):
-            shard = int(self.index[index]["shard"])
+            shard = self.expected_shard(index)
             if shard < len(self.shard_paths):
                 return f"{self.shard_paths[shard]} sample {index}"
         return f"{self.root} sample {index}"
 
     def sample_file(self, index: int) -> str:
-        return self.manifest["shards"][int(self.index[index]["shard"])]["path"]
+        return self.manifest["shards"][self.expected_shard(index)]["path"]
 
     def count_problems(self) -> list[str]:
+        """The manifest's shard counts against its count, and every row of the index against the manifest
+        (:meth:`check_rows`)."""
         shards, count = self.manifest.get("shards", []), self.manifest["count"]
         if sum(s["count"] for s in shards) != count:
             return [f"{self.root}: shard counts add up to {sum(s['count'] for s in shards)}, not {count}"]
+        try:
+            self.checked_index()
+        except CorruptDataError as exc:
+            return [str(exc)]
         return []
 
     def index_files(self) -> tuple[str, ...]:
