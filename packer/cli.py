@@ -209,13 +209,16 @@ def format_lines(dest: str, manifest: dict) -> list[str]:
 
 
 def class_count_lines(dest: str, manifest: dict) -> list[str]:
-    """Samples per class and in total: the manifest's ``class_counts`` (nothing else is read), else, for a local
-    dataset packed before the manifest recorded them, its records' (none for a URL: that would fetch it)."""
+    """Samples per class and in total: the manifest's ``class_counts`` (nothing else is read) where they add up
+    to its count, else, for a local dataset (packed before the manifest recorded them, or damaged), its records'
+    (none for a URL: that would fetch it)."""
     from .formats import open_reader
 
     if not manifest["classes"]:
         return []  # no classes: the header line has the total
     counts = manifest.get("class_counts")
+    if counts is not None and sum(counts) != manifest["count"]:
+        counts = None  # the manifest disagrees with itself: the data's own counts, or the error that names it
     if counts is None:
         if parse_url(dest) is not None:
             return []  # counting would fetch the data

@@ -107,9 +107,6 @@ def parse_manifest(text: str | bytes, where: str = MANIFEST) -> dict:
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
         raise ManifestError(f"{where}: malformed 'class_counts' (one count a class); the dataset is damaged, "
                             "re-pack it")
-    if sum(counts) > data["count"]:
-        raise ManifestError(f"{where}: 'class_counts' add up to {sum(counts)}, the manifest says {data['count']} "
-                            "samples; the dataset is damaged, re-pack it")
     for entry in data["files"]:
         if not (isinstance(entry, dict) and isinstance(entry.get("path"), str) and isinstance(entry.get("bytes"), int)
                 and is_safe_relpath(entry["path"])):

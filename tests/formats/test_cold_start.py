@@ -249,3 +249,16 @@ def test_info_reads_the_manifest_alone(fmt, packs, tmp_path):
     result = CliRunner().invoke(main, ["info", str(bare)])
     assert result.exit_code == 0 and "unreadable" not in result.output, result.output
     assert re.search(rf"^\s+class1\s+{(2 if fmt == 'parted' else 1) * COUNT // 3}$", result.output, re.M), result.output
+
+
+def test_info_counts_the_data_where_the_manifest_s_class_counts_disagree_with_its_count(packs, tmp_path):
+    """Class counts that do not add up to the manifest's count are not shown: info counts the data instead."""
+    dest = tmp_path / "ds"
+    shutil.copytree(packs / "hdf5", dest)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    right = list(manifest["class_counts"])
+    manifest["class_counts"] = [n + 5 for n in right]
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["info", str(dest)])
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"^\s+total\s+{sum(right):,}$", result.output, re.M), result.output
