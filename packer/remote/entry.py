@@ -71,5 +71,7 @@ def open_remote(path: str | os.PathLike | Any, storage_options: dict | None = No
         return Path(resolve_fetched(remote, manifest, text, storage_options, cache))
     view = cache.view(remote.url)
     view.mkdir(parents=True, exist_ok=True)
-    return BlockedRemote(remote.url, manifest, view, RemoteSource(remote, manifest, storage_options),
-                         RemoteBlocks(remote, manifest, storage_options, cache_dir, cache.limit), cache.limit, total)
+    store = RemoteBlocks(remote, manifest, storage_options, cache_dir, cache.limit)
+    store.sign_ahead()  # here, before a loader forks its workers: they read with these URLs
+    return BlockedRemote(remote.url, manifest, view, RemoteSource(remote, manifest, storage_options), store,
+                         cache.limit, total)

@@ -211,6 +211,20 @@ def presigned_range(fs: Any, url: str, start: int, end: int) -> bytes | None:
     return _range(fs, url, server, target, start, end)
 
 
+def sign_ahead(fs: Any, urls: list[str]) -> None:
+    """Presign ``urls`` now, where :func:`can_presign`: a DataLoader worker forked afterwards reads them with the
+    URLs its parent signed, where one left to sign a URL itself first makes an S3 client of its own (the costliest
+    step of a worker's first GET). A URL that does not sign is left to be signed, or read through s3fs, when it
+    is read."""
+    if not can_presign(fs):
+        return
+    for url in urls:
+        try:
+            _presigned(fs, url)
+        except Exception:  # noqa: BLE001 - s3fs raises its own kinds; the read reports them (presigned_range)
+            return
+
+
 def can_get_plainly(fs: Any) -> bool:
     """Whether ranges of ``fs``'s URLs may be read here with the URL itself: an HTTP(S) filesystem without
     options (no headers, authentication or client settings, which only fsspec's client applies), no proxy set,

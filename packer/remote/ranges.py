@@ -25,8 +25,14 @@ from ..errors import RemoteError
 from .cache import STUCK_AFTER, Cache, Pin, when_room
 from .fetch import _cat, retrying
 from .fs import filesystem
+from .presigned import sign_ahead
 from .resolve import FETCH_THREADS, fetch_file
 from .url import RemoteUrl
+
+# data files whose URLs a blocked dataset presigns as it is opened, before its DataLoader workers are forked: the
+# opening process signs each file as it first reads it anyway, so this moves that work earlier rather than adding
+# any; beyond this many, opening would wait on it longer than a worker takes to make an S3 client of its own
+SIGN_AT_OPEN = 256
 
 
 def range_name(sha256: str, start: int, end: int, size: int) -> str:
@@ -140,6 +146,13 @@ class RemoteBlocks:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_cache": None}
+
+    def sign_ahead(self) -> None:
+        """Presign the data files' URLs in this process (:func:`~packer.remote.presigned.sign_ahead`) when there
+        are at most ``SIGN_AT_OPEN`` of them; more are signed as they are first read."""
+        if len(self.entries) <= SIGN_AT_OPEN:
+            fs = filesystem(self.remote.protocol, self.storage_options)
+            sign_ahead(fs, [self.remote.join(relpath) for relpath in self.entries])
 
     def __str__(self) -> str:
         return self.remote.url

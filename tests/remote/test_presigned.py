@@ -198,3 +198,24 @@ def test_http_settings_only_fsspec_applies_keep_fsspec(http_proxied, no_failures
     assert presigned.plain_range(filesystem("http"), f"http://user:pw@127.0.0.1:{http_proxied.port}/blob", 0, 9) is None
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     assert not presigned.can_get_plainly(filesystem("http"))
+
+
+def test_a_blocked_dataset_signs_its_files_as_it_opens(proxied, tmp_path, monkeypatch):
+    """RemoteBlocks.sign_ahead presigns every data file's URL in the process that opens the dataset, so that the
+    workers a loader forks afterwards read with them instead of making an S3 client of their own; a dataset of
+    more than SIGN_AT_OPEN files signs none up front."""
+    from packer.remote import ranges
+    from packer.remote.url import parse_url
+
+    options = {"endpoint_url": proxied.url, "client_kwargs": {"region_name": "us-east-1"}, "key": "testing",
+               "secret": "sign-ahead"}  # options of its own: no other test signed with them
+    key = presigned._options(filesystem("s3", options))
+    manifest = {"files": [{"path": f"shard-{i}.tar", "bytes": 10, "sha256": "0" * 64} for i in range(3)]}
+    store = ranges.RemoteBlocks(parse_url("s3://bucket/ds"), manifest, options, tmp_path, 100)
+    monkeypatch.setattr(ranges, "SIGN_AT_OPEN", 2)
+    store.sign_ahead()
+    assert [url for options_key, url in presigned._SIGNED if options_key == key] == []
+    monkeypatch.setattr(ranges, "SIGN_AT_OPEN", 3)
+    store.sign_ahead()
+    signed = sorted(url for options_key, url in presigned._SIGNED if options_key == key)
+    assert signed == [f"s3://bucket/ds/shard-{i}.tar" for i in range(3)]
