@@ -43,6 +43,9 @@ from typing import Any
 import numpy as np
 
 POLL = 0.01  # seconds between looks at the batches received
+# seconds between looks for a reader stuck waiting for room (a scan of the cache's waiting/ folder each): the
+# thread looks every POLL for the batches, but a reader is stuck only after STUCK_AFTER seconds, far longer
+STUCK_POLL = 0.1
 FETCHERS = 8  # blocks fetched at once: each request's latency overlaps the others'
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
 
@@ -222,7 +225,7 @@ class FetchAhead:
                                        args=(self.fetchers, self.order, self.last, progress,
                                              mapped or (lambda: progress.received), weakref.ref(owner),
                                              (sizes, budget), self.stop_event, _next_blocks(reader, then),
-                                             reader.reader_stuck))
+                                             _at_most_every(STUCK_POLL, reader.reader_stuck)))
         _RUNNING.add(self)
         self.thread.start()
 
@@ -295,6 +298,19 @@ class FetchAhead:
                     release()
             for release in held.values():
                 release()
+
+
+def _at_most_every(seconds: float, ask: Callable[[], bool]) -> Callable[[], bool]:
+    """``ask``, called at most once every ``seconds``: in between, its last answer."""
+    last = [-math.inf, False]  # when it was last asked, and what it said
+
+    def answer() -> bool:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[:] = [now, ask()]
+        return bool(last[1])
+
+    return answer
 
 
 def _fetched() -> None:

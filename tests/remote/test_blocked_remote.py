@@ -490,6 +490,27 @@ def test_the_fetch_ahead_lets_go_of_its_blocks_while_another_reader_waits_for_ro
         fetching.stop()
 
 
+def test_the_fetch_ahead_looks_for_a_stuck_reader_only_every_stuck_poll():
+    """Each look scans the cache's waiting/ folder; the thread wakes every POLL for the batches, but a reader is
+    stuck only after STUCK_AFTER, so it looks every STUCK_POLL."""
+    from packer.loading import fetchahead
+    from packer.state import Progress
+
+    class Counted(_SizedBlocks):
+        looks = 0
+
+        def reader_stuck(self) -> bool:
+            Counted.looks += 1
+            return False
+
+    reader, owner = Counted([100] * 8), _SizedBlocks([])
+    fetching = fetchahead.FetchAhead(reader, list(range(8)), 1, Progress(None, 8), owner, ahead=2)
+    began = time.monotonic()
+    time.sleep(0.5)
+    fetching.stop()
+    assert 1 <= Counted.looks <= (time.monotonic() - began) / fetchahead.STUCK_POLL + 1
+
+
 def test_the_main_process_fetches_ahead_and_its_thread_ends_with_the_iterator(packs, server, truth, tmp_path):
     fmt = next((f for f in FORMATS if ranged(f)), None)
     if fmt is None:
