@@ -152,9 +152,9 @@ def window_decoder_rows(datas: list[bytes], headers: list, windows: list[Window]
     out = np.empty((224, 224, 3), np.uint8)
 
     def window_only() -> None:
-        for d, (_, w, _, _), win in zip(datas, headers, windows, strict=True):
+        for d, (h, w, _, _), win in zip(datas, headers, windows, strict=True):
             region = (win.left, win.top, win.left + win.width, win.top + win.height)
-            jpeg_window.decode_window(d, False, 1, region, decode_scratch(win.height * w * 3))
+            jpeg_window.decode_window(d, False, 1, region, decode_scratch(win.height * w * 3), (h, w))
 
     def crop(partial: bool) -> Callable[[], None]:
         return lambda: [scaled_window(d, "RGB", (h, w), win, (224, 224), "bilinear", out, partial=partial)

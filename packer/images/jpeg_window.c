@@ -1,11 +1,11 @@
 /* packer.images._jpeg_window: decode only a window of a JPEG, at a reduced DCT scale, with the system's
  * libjpeg-turbo (jpeg_crop_scanline and jpeg_skip_scanlines, which neither Pillow nor simplejpeg exposes).
  *
- * decode(data, out, gray, denom, left, top, right, bottom) -> (rows, width, x)
+ * decode(data, out, gray, denom, left, top, right, bottom) -> (rows, width, x, scaled_height, scaled_width)
  *
- * The image is decoded at scale 1/denom; of that scaled image, rows [top, bottom) are decoded, and the columns
- * of whole iMCUs that cover [left, right): the returned x is where they begin (at most left) and width how many
- * there are. Rows are written to `out` (a writable buffer of at least rows * width * channels bytes), packed.
+ * The image is decoded at scale 1/denom; of that scaled image (scaled_height x scaled_width), rows [top, bottom)
+ * are decoded, and the columns of whole iMCUs that cover [left, right): the returned x is where they begin (at
+ * most left) and width how many there are. Rows are written to `out` (a writable buffer of at least rows * width * channels bytes), packed.
  * Rows above `top` are skipped without their inverse DCT; rows below `bottom` are never decoded.
  *
  * ValueError for anything libjpeg-turbo calls an error or a warning (a damaged or truncated file), as
@@ -159,14 +159,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                      job.rows, job.width);
         return NULL;
     default:
-        return Py_BuildValue("(III)", job.rows, job.width, job.x);
+        return Py_BuildValue("(IIIII)", job.rows, job.width, job.x, job.scaled_height, job.scaled_width);
     }
 }
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(data, out, gray, denom, left, top, right, bottom) -> (rows, width, x): rows [top, bottom) and the "
-     "iMCU columns covering [left, right) of the JPEG decoded at scale 1/denom, written into out."},
+     "decode(data, out, gray, denom, left, top, right, bottom) -> (rows, width, x, scaled_height, scaled_width): "
+     "rows [top, bottom) and the iMCU columns covering [left, right) of the JPEG decoded at scale 1/denom, written "
+     "into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,7 +40,7 @@ def libjpeg_turbo_version() -> str | None:
 
 
 def decode_window(payload: bytes | memoryview, gray: bool, denom: int, region: tuple[int, int, int, int],
-                  buffer: np.ndarray) -> np.ndarray | None:
+                  buffer: np.ndarray, scaled: tuple[int, int]) -> np.ndarray | None:
     """Rows and columns ``region`` of a JPEG decoded at scale ``1/denom``, as a view of ``buffer``.
 
     Args:
@@ -49,10 +49,12 @@ def decode_window(payload: bytes | memoryview, gray: bool, denom: int, region: t
         denom: 1, 2, 4 or 8.
         region: (left, top, right, bottom) in the scaled image's pixels, within it.
         buffer: a flat uint8 array of at least ``(bottom - top) * scaled width * channels`` bytes.
+        scaled: the (height, width) the caller expects of the scaled image, from the header it read.
 
     Returns:
         The (bottom - top, right - left, channels) pixels, the same as a whole decode's at that scale cropped to
-        ``region``; None when the extension was not built or the JPEG is one it does not take (CMYK).
+        ``region``; None when the extension was not built, the JPEG is one it does not take (CMYK), or
+        libjpeg-turbo reads other dimensions from it than ``scaled`` (a file with conflicting headers).
 
     Raises:
         ValueError: libjpeg-turbo found the data damaged (it also reports what it would only warn about).
@@ -62,8 +64,11 @@ def decode_window(payload: bytes | memoryview, gray: bool, denom: int, region: t
     left, top, right, bottom = region
     ask = max(left - EDGE, 0)
     try:
-        rows, width, x = _extension.decode(payload, buffer, gray, denom, ask, top, right + EDGE, bottom)
+        rows, width, x, height, full_width = _extension.decode(payload, buffer, gray, denom, ask, top, right + EDGE,
+                                                               bottom)
     except NotImplementedError:
+        return None
+    if (height, full_width) != scaled or not (x <= left and right <= x + width and rows == bottom - top):
         return None
     channels = 1 if gray else 3
     pixels = buffer[:rows * width * channels].reshape(rows, width, channels)

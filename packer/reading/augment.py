@@ -226,7 +226,7 @@ def jpeg_part(payload: bytes | memoryview, mode: str, full: tuple[int, int], min
     right, bottom = min(math.ceil(box[2]) + 2, width), min(math.ceil(box[3]) + 2, height)
     try:
         pixels = decode_window(payload, mode == "L", factor, (left, top, right, bottom),
-                               decode_scratch((bottom - top) * width * channels))
+                               decode_scratch((bottom - top) * width * channels), (height, width))
     except ValueError:
         return None
     if pixels is None:

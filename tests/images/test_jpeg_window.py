@@ -71,7 +71,7 @@ def test_a_window_is_the_whole_decode_cropped(photo, kind):
             h, w = whole.shape[:2]
             buffer = np.empty(h * w * 3, np.uint8)
             for left, top, right, bottom in regions(h, w, rng):
-                got = jpeg_window.decode_window(data, gray, denom, (left, top, right, bottom), buffer)
+                got = jpeg_window.decode_window(data, gray, denom, (left, top, right, bottom), buffer, (h, w))
                 assert got is not None
                 expected = whole[top:bottom, left:right].reshape(bottom - top, right - left, -1)
                 assert np.array_equal(got, expected), (kind, gray, denom, (left, top, right, bottom))
@@ -103,7 +103,7 @@ def test_damaged_and_cmyk_jpegs_take_the_whole_decode(photo, tmp_path):
     cut = data[:len(data) // 2]
     buffer = np.empty(height * width * 3, np.uint8)
     with pytest.raises(ValueError):
-        jpeg_window.decode_window(cut, False, 1, (0, 0, width, height), buffer)
+        jpeg_window.decode_window(cut, False, 1, (0, 0, width, height), buffer, (height, width))
     window = sample_window(height, width, (0.9, 1.0), (3 / 4, 4 / 3), uniform_stream(0, 0, 0))
     for partial in (False, True):
         with pytest.raises(ValueError):
@@ -112,7 +112,7 @@ def test_damaged_and_cmyk_jpegs_take_the_whole_decode(photo, tmp_path):
     out = io.BytesIO()
     photo.convert("CMYK").save(out, "JPEG", quality=90)
     cmyk = out.getvalue()
-    assert jpeg_window.decode_window(cmyk, False, 1, (0, 0, width, height), buffer) is None
+    assert jpeg_window.decode_window(cmyk, False, 1, (0, 0, width, height), buffer, (height, width)) is None
     outcomes = []
     for partial in (False, True):
         try:
@@ -122,3 +122,31 @@ def test_damaged_and_cmyk_jpegs_take_the_whole_decode(photo, tmp_path):
             outcomes.append(str(exc))
     assert type(outcomes[0]) is type(outcomes[1])
     assert np.array_equal(*outcomes) if isinstance(outcomes[0], np.ndarray) else outcomes[0] == outcomes[1]
+
+
+@needs_decoder
+def test_damaged_bytes_never_crash_it_or_write_past_its_buffer(photo):
+    """Hostile input: every one of a few hundred JPEGs with bytes changed or cut gives pixels, a ValueError or
+    None (never a crash), and nothing is written past the buffer it was given; a JPEG whose dimensions are not
+    the ones the caller read from its header is declined."""
+    data = encoded(photo.resize((96, 64)), "420")
+    height, width = simplejpeg.decode_jpeg_header(data)[:2]
+    rng = random.Random(0)
+    size = height * width * 3
+    guard = np.full(size + 4096, 0xA5, np.uint8)
+    outcomes = set()
+    for trial in range(400):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        if trial % 4 == 0:
+            damaged = damaged[:rng.randrange(2, len(damaged))]
+        try:
+            got = jpeg_window.decode_window(bytes(damaged), trial % 2 == 1, 1, (10, 5, 90, 60), guard[:size],
+                                            (height, width))
+            outcomes.add("none" if got is None else "pixels")
+        except ValueError:
+            outcomes.add("error")
+        assert (guard[size:] == 0xA5).all(), f"trial {trial} wrote past the buffer"
+    assert {"pixels", "error"} <= outcomes
+    assert jpeg_window.decode_window(data, False, 1, (0, 0, width, height), guard[:size], (height + 8, width)) is None
