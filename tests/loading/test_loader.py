@@ -297,7 +297,7 @@ before = {p.pid for p in psutil.Process().children()}
 loader = packer.make_loader(ds, batch_size=int(sys.argv[2]), num_workers=2, persistent_workers=True,
                             timeout=int(sys.argv[3]))
 seen, uss = [], []
-for _ in range(3):
+for _ in range(4):
     seen.append(sum(len(labels) for images, labels in loader if int(images.sum()) >= 0))
     kids = [p for p in psutil.Process().children() if p.pid not in before]
     uss.append({p.pid: p.memory_full_info().uss for p in kids})
@@ -307,8 +307,11 @@ print(json.dumps({"len": len(ds), "seen": seen, "uss": uss}))
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_persistent_workers_do_not_grow(pack, fmt):
-    """The workers' USS after epoch 3 is within 10% of their USS after epoch 1 (decoding full-size JPEGs: a
+    """The workers' USS after epoch 4 is within 10% of their USS after epoch 2 (decoding full-size JPEGs: a
     per-worker cache of decoded images, or metadata copied on write as shuffled workers touch it, shows here).
+    Epoch 1 is left out: in it each worker's malloc heap grows to its working size, from wherever the parent's
+    heap was at the fork (an LMDB worker's heap went from about 9 to 11-12 MiB in epoch 1, then moved between 10.4
+    and 11.9 MiB over nine more epochs without growing).
     The two workers' USS is summed: which worker made the last batch moves about one batch of freed memory
     between them, too much noise for a per-worker 10% bound on a ~14 MiB worker. The loop reads every image, as
     training does: packer's workers decode into shared slots, and a slot page only its worker has touched counts
@@ -320,9 +323,9 @@ def test_persistent_workers_do_not_grow(pack, fmt):
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
     seen, uss = out["seen"], [{int(pid): v for pid, v in epoch.items()} for epoch in out["uss"]]
-    assert seen == [out["len"]] * 3
-    assert len(uss[0]) == 2 and set(uss[2]) == set(uss[0]), "the same two persistent workers throughout"
-    first, last = sum(uss[0].values()), sum(uss[2].values())
+    assert seen == [out["len"]] * 4
+    assert len(uss[0]) == 2 and set(uss[3]) == set(uss[0]), "the same two persistent workers throughout"
+    first, last = sum(uss[1].values()), sum(uss[3].values())
     assert last <= 1.10 * first, f"workers' USS {first / 2**20:.1f} -> {last / 2**20:.1f} MiB"
 
 
