@@ -146,9 +146,10 @@ class CachePoll(Poll):
         self.cache = Cache(root)
 
     def sample(self) -> int:
-        # the smaller of two counts in a row: one count lists the folders one after another, and may find an
-        # object before it is evicted and, later in the same count, the download that took its room
-        return min(self.cache.used(), self.cache.used())
+        # under the cache's eviction lock, which every reservation, rename and eviction takes: without it a count,
+        # listing the folders one after another, may find a download in tmp/ and again in objects/ once renamed
+        with self.cache._eviction_locked():
+            return self.cache.used()
 
 
 class FaultProxy(http.server.BaseHTTPRequestHandler):
