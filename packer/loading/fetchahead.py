@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import multiprocessing
 import multiprocessing.context
@@ -43,6 +44,10 @@ from typing import Any
 import numpy as np
 
 POLL = 0.01  # seconds between looks at the batches received
+# seconds between looks at the first batch that still needs its blocks, while the bytes held are what keeps the
+# next fetch from starting: a batch mapped frees its blocks' bytes, and the fetch that takes them is a request's
+# latency ahead of the decoder that needs it only if it starts at once, not up to a POLL later
+FRONTIER_POLL = 0.002
 # seconds between looks for a reader stuck waiting for room (a scan of the cache's waiting/ folder each): the
 # thread looks every POLL for the batches, but a reader is stuck only after STUCK_AFTER seconds, far longer
 STUCK_POLL = 0.1
@@ -269,9 +274,11 @@ class FetchAhead:
                 fetchers.count = pace.target(passed)
                 k = passed
                 pinned = int(sum(sizes[order[j]] for j in (*held, *fetchers.running)))
+                full = False  # the next block waits for bytes held to be let go
                 while room and fetchers.idle() and k < len(order):
                     if last[k] >= frontier and k not in held and not fetchers.has(k):
                         if pinned + sizes[order[k]] > budget:
+                            full = True
                             break
                         pinned += int(sizes[order[k]])
                         fetchers.start(k, int(order[k]))
@@ -284,10 +291,12 @@ class FetchAhead:
                     order = np.concatenate([order, following])
                     last = np.concatenate([last, np.full(len(following), np.iinfo(np.int64).max)])  # to the end
                     then = None
-                if room:
-                    fetchers.wait(POLL)  # woken by a fetch done: the next starts at once
-                else:
+                if not room:
                     stop.wait(POLL)
+                elif full:  # woken by a fetch done, or by a batch that no longer needs its blocks
+                    fetchers.wait(POLL, functools.partial(_moved, progress, mapped, frontier))
+                else:
+                    fetchers.wait(POLL)  # woken by a fetch done: the next starts at once
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
             pass
         finally:
@@ -298,6 +307,11 @@ class FetchAhead:
                     release()
             for release in held.values():
                 release()
+
+
+def _moved(progress: Any, mapped: Callable[[], int], frontier: int) -> bool:
+    """Whether the first batch that still needs its blocks is past ``frontier``."""
+    return max(progress.received, mapped()) > frontier
 
 
 def _at_most_every(seconds: float, ask: Callable[[], bool]) -> Callable[[], bool]:
@@ -420,12 +434,19 @@ class _Fetchers:
     def idle(self) -> bool:
         return len(self.running) < self.count
 
-    def wait(self, timeout: float) -> None:
-        """Until a fetch finishes, :meth:`wake` is called or ``timeout`` seconds pass."""
-        with contextlib.suppress(queue.Empty):
-            result = self.results.get(timeout=timeout)
-            if result is not None:
-                self._ready.append(result)
+    def wait(self, timeout: float, moved: Callable[[], bool] | None = None) -> None:
+        """Until a fetch finishes, :meth:`wake` is called, ``moved()`` (asked every ``FRONTIER_POLL`` seconds)
+        is true or ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            with contextlib.suppress(queue.Empty):
+                result = self.results.get(timeout=max(0.0, min(left, FRONTIER_POLL if moved else left)))
+                if result is not None:
+                    self._ready.append(result)
+                return
+            if left <= FRONTIER_POLL or moved is None or moved():
+                return
 
     def wake(self) -> None:
         """End a :meth:`wait` now."""

@@ -490,6 +490,33 @@ def test_the_fetch_ahead_lets_go_of_its_blocks_while_another_reader_waits_for_ro
         fetching.stop()
 
 
+def test_a_batch_mapped_starts_the_fetch_its_bytes_were_waiting_for_without_waiting_for_the_next_poll(monkeypatch):
+    """Held to its bytes, the fetch-ahead looks for the next batch mapped every FRONTIER_POLL: the freed bytes go
+    to the next block at once, a request's latency ahead of the decoder that needs it, not a POLL later."""
+    from packer.loading import fetchahead
+    from packer.state import Progress
+
+    monkeypatch.setattr(fetchahead, "POLL", 600.0)  # only a fetch done, or the frontier's look, wakes the thread
+    reader, owner, mapped = _SizedBlocks([100] * 8), _SizedBlocks([]), [0]
+
+    def held_becomes(blocks: set[int]) -> bool:
+        deadline = time.monotonic() + 30
+        while reader.held != blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return reader.held == blocks
+
+    fetching = fetchahead.FetchAhead(reader, list(range(8)), 1, Progress(None, 8), owner, ahead=2,
+                                     mapped=lambda: mapped[0])
+    try:
+        assert held_becomes({0, 1})
+        mapped[0] = 1  # batch 0's decoder has mapped block 0: its bytes go to block 2
+        assert held_becomes({1, 2})
+        mapped[0] = 3
+        assert held_becomes({3, 4})
+    finally:
+        fetching.stop()
+
+
 def test_the_fetch_ahead_looks_for_a_stuck_reader_only_every_stuck_poll():
     """Each look scans the cache's waiting/ folder; the thread wakes every POLL for the batches, but a reader is
     stuck only after STUCK_AFTER, so it looks every STUCK_POLL."""
