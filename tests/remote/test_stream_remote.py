@@ -165,7 +165,12 @@ print(json.dumps(pairs))
 
 
 def test_two_processes_streaming_one_url_share_the_cache(server, sizes, resized, tmp_path):
-    total, limit, _ = sizes
+    """Two processes on a node streaming one URL at once, through one cache with room for the dataset: each shard
+    crosses the network once, fetched by whichever process asks first (the other waits for that fetch, or finds
+    the shard cached). With less room than that, what they share depends on how far apart they run, which the
+    machine's scheduling decides: a shard evicted before the slower one reaches it is fetched again."""
+    total, _, _ = sizes
+    limit = 2 * total
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     sent = server.sent
     args = [f"{server.url}/wds", str(tmp_path / "cache"), str(limit)]
@@ -177,7 +182,7 @@ def test_two_processes_streaming_one_url_share_the_cache(server, sizes, resized,
         pairs = json.loads(out)
         assert sorted(resized[d][0] for d, _ in pairs) == list(range(COUNT))
         assert all(resized[d][1] == label for d, label in pairs)
-    assert server.sent - sent <= 1.25 * total, (server.sent - sent, total)  # each shard about once, not twice
+    assert server.sent - sent <= total, (server.sent - sent, total)  # each shard once, not once a process
 
 
 @pytest.mark.slow
