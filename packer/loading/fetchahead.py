@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import math
 import multiprocessing
 import multiprocessing.context
@@ -261,7 +260,7 @@ class FetchAhead:
                         held[k] = _fetched
                     else:
                         held[k] = release
-                frontier = max(progress.received, mapped())  # the first batch that still needs its blocks
+                frontier = _frontier(progress, mapped)
                 for k in [k for k in held if last[k] < frontier]:  # no batch needs it
                     held.pop(k)()
                 while passed < len(order) and last[passed] < frontier:
@@ -294,7 +293,7 @@ class FetchAhead:
                 if not room:
                     stop.wait(POLL)
                 elif full:  # woken by a fetch done, or by a batch that no longer needs its blocks
-                    fetchers.wait(POLL, functools.partial(_moved, progress, mapped, frontier))
+                    fetchers.wait(POLL, lambda: _frontier(progress, mapped) > frontier)  # noqa: B023 - only within this wait
                 else:
                     fetchers.wait(POLL)  # woken by a fetch done: the next starts at once
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
@@ -309,9 +308,9 @@ class FetchAhead:
                 release()
 
 
-def _moved(progress: Any, mapped: Callable[[], int], frontier: int) -> bool:
-    """Whether the first batch that still needs its blocks is past ``frontier``."""
-    return max(progress.received, mapped()) > frontier
+def _frontier(progress: Any, mapped: Callable[[], int]) -> int:
+    """The first batch of the pass that still needs its blocks: neither received nor mapped by its decoder."""
+    return max(progress.received, mapped())
 
 
 def _at_most_every(seconds: float, ask: Callable[[], bool]) -> Callable[[], bool]:
@@ -439,14 +438,16 @@ class _Fetchers:
         is true or ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            with contextlib.suppress(queue.Empty):
-                result = self.results.get(timeout=max(0.0, min(left, FRONTIER_POLL if moved else left)))
-                if result is not None:
-                    self._ready.append(result)
-                return
-            if left <= FRONTIER_POLL or moved is None or moved():
-                return
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                result = self.results.get(timeout=left if moved is None else min(left, FRONTIER_POLL))
+            except queue.Empty:
+                if moved is None or left <= FRONTIER_POLL or moved():
+                    return
+                continue
+            if result is not None:
+                self._ready.append(result)
+            return
 
     def wake(self) -> None:
         """End a :meth:`wait` now."""
