@@ -130,9 +130,9 @@ def cache_short_of(reader: Any, batch_size: int, batches: int, window: int, ahea
         return None
     need = f"about {reader.limit * flight / (held - rest) / 1e6:.3g} MB" if reader.limit and held > rest else ""
     return (f"packer: {reader.where}: cache_limit holds about {held:,} samples fetched ahead, fewer than the "
-            f"{flight:,} this loader keeps in flight ({batches} batches of {batch_size}) and the rest of a window "
-            f"of {window} blocks: its decoders will wait on fetches; raise cache_limit{' to ' + need if need else ''}, "
-            "or lower batch_size, num_workers or the prefetch")
+            f"{flight + rest:,} this loader needs there ({flight:,} in flight: {batches} batches of {batch_size}; "
+            f"{rest:,} more for the rest of a window of {window} blocks): its decoders will wait on fetches; raise "
+            f"cache_limit{' to ' + need if need else ''}, or lower batch_size, num_workers or the prefetch")
 
 
 class WorkerMaps:

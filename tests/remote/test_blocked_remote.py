@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -600,6 +601,12 @@ def test_a_cache_too_small_for_the_batches_in_flight_is_said_once_with_the_limit
     packer.make_loader(small, batch_size=batch, num_workers=WORKERS)
     said = [line for line in capfd.readouterr().err.splitlines() if "wait on fetches" in line]
     assert len(said) == 1 and said[0].startswith(f"packer: {server.url}/{fmt}: cache_limit holds about "), said
+    # its figures agree: fewer held than needed, the samples needed the batches in flight and the window's rest
+    found = re.search(r"holds about ([\d,]+) samples fetched ahead, fewer than the ([\d,]+) this loader needs there "
+                      r"\(([\d,]+) in flight: \d+ batches of (\d+); ([\d,]+) more for the rest", said[0])
+    assert found is not None, said
+    held, needed, flight, size, rest = (int(figure.replace(",", "")) for figure in found.groups())
+    assert held < needed == flight + rest and size == batch and flight % batch == 0, said
     need = float(said[0].split("raise cache_limit to about ")[1].split(" MB")[0]) * 1e6
     assert total // 7 < need < total  # more than it was, and still smaller than the dataset: read in blocks
     enough = open_blocked(f"{server.url}/{fmt}", tmp_path / "enough", int(need * 1.01))  # 3 figures, rounded
