@@ -30,7 +30,6 @@ import glob
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,15 +38,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SERVE = """
-import sys, time
-sys.path[:0] = [{peers!r}, {tests!r}]
-from pathlib import Path
-import s3_lite
-served = s3_lite.serve(Path({root!r}), {latency!r})
-print(served.url, flush=True)
-time.sleep(24 * 3600)
-"""
+sys.path[:0] = [str(HERE / "peers"), str(HERE.parent / "tests")]
+
+import s3_lite  # noqa: E402 - in peers/, beside the remote benchmark
+
 STEPS = {  # what the figure is called: (module, attribute, function), its thread CPU summed per call
     "GET": ("packer.remote.ranges", None, "_cat"),
     "room (scan, evictions)": ("packer.remote.cache", "Cache", "_make_room"),
@@ -107,14 +101,11 @@ class Steps:
         @contextlib.contextmanager
         def timed(*args: Any, **kwargs: Any) -> Iterator[None]:
             began = time.thread_time()
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(function(*args, **kwargs))
-                self.seconds[LOCK_STEP] += time.thread_time() - began
-                try:
-                    yield
-                finally:
-                    began = time.thread_time()
-            self.seconds[LOCK_STEP] += time.thread_time() - began
+            with function(*args, **kwargs):
+                self.seconds[LOCK_STEP] += time.thread_time() - began  # taking it
+                yield
+                began = time.thread_time()
+            self.seconds[LOCK_STEP] += time.thread_time() - began  # letting it go
             self.calls[LOCK_STEP] += 1
         return timed
 
@@ -168,10 +159,13 @@ def median(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(row[key] for row in rows)
 
 
+def rate(rows: list[dict[str, float]]) -> float:
+    """The median epoch's images a second."""
+    return statistics.median(row["images"] / row["seconds"] for row in rows)
+
+
 def report(args: argparse.Namespace, limit: int, remote: list[dict[str, float]], local: list[dict[str, float]],
            steps: Steps, loads: tuple[str, str]) -> str:
-    rate = {name: median([{"r": r["images"] / r["seconds"]} for r in rows], "r")
-            for name, rows in (("remote", remote), ("local", local))}
     lines = [f"{args.dataset}: cache_limit {limit:,} bytes ({args.cache_fraction:g} of the data), "
              f"{args.latency_ms:g} ms a request, {args.rounds} rounds of {args.epochs} epochs, "
              f"{time.strftime('%Y-%m-%d %H:%M')}; load average {loads[0]} at the start, {loads[1]} at the end",
@@ -179,9 +173,9 @@ def report(args: argparse.Namespace, limit: int, remote: list[dict[str, float]],
              "| read | img/s | CPU s an epoch: main | workers | server |",
              "|---|---:|---:|---:|---:|"]
     for name, rows in (("remote", remote), ("local, warm", local)):
-        lines.append(f"| {name} | {rate[name.split(',')[0]]:,.0f} | {median(rows, 'main'):.3f} | "
+        lines.append(f"| {name} | {rate(rows):,.0f} | {median(rows, 'main'):.3f} | "
                      f"{median(rows, 'workers'):.3f} | {median(rows, 'server'):.3f} |")
-    lines += ["", f"remote / local: {rate['remote'] / rate['local']:.2f}", ""]
+    lines += ["", f"remote / local: {rate(remote) / rate(local):.2f}", ""]
     fetched = steps.calls["GET"]
     lines += [f"per block fetched by the main process ({fetched:,} blocks, every epoch of every round):", "",
               "| step | ms of CPU a block |", "|---|---:|"]
@@ -211,23 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fetch-path-") as work:
         served_root = Path(work) / "s3"
         shutil.copytree(args.dataset, served_root / "bench" / "data", copy_function=os.link)
-        code = SERVE.format(peers=str(HERE / "peers"), tests=str(HERE.parent / "tests"), root=str(served_root),
-                            latency=args.latency_ms / 1000)
-        server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            assert server.stdout is not None
-            endpoint = server.stdout.readline().strip()
+        with s3_lite.served_in_child(served_root, args.latency_ms / 1000) as (endpoint, server):
             os.environ.setdefault("AWS_ACCESS_KEY_ID", "benchmark")
             os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "benchmark")
             for round_ in range(args.rounds):
                 cache = Path(work) / f"cache-{round_}"
                 options = {"cache_dir": cache, "cache_limit": limit, "storage_options": {"endpoint_url": endpoint}}
-                remote += read("s3://bench/data", options, args.epochs, server.pid, steps)[1:]
+                remote += read("s3://bench/data", options, args.epochs, server, steps)[1:]
                 local += read(str(args.dataset), {}, args.epochs, None, None)[1:]
                 shutil.rmtree(cache, ignore_errors=True)
-        finally:
-            server.kill()
-            server.wait()
     loads.append(" ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(report(args, limit, remote, local, steps, (loads[0], loads[1])))
     return 0

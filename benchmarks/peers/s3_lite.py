@@ -13,14 +13,18 @@ for an IP endpoint)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import email.utils
 import functools
 import http.server
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -198,3 +202,29 @@ def serve(root: Path, latency: float = 0.0) -> Served:
     served.latency = latency
     served.server.handle_error = lambda request, address: None  # a reader closing a connection is not news
     return served
+
+
+_CHILD = """
+import sys, time
+sys.path[:0] = [{peers!r}, {tests!r}]
+from pathlib import Path
+import s3_lite
+served = s3_lite.serve(Path({root!r}), {latency!r})
+print(served.url, flush=True)
+time.sleep(24 * 3600)
+"""
+
+
+@contextlib.contextmanager
+def served_in_child(root: Path, latency: float = 0.0) -> Iterator[tuple[str, int]]:
+    """:func:`serve` in a child process, so that the caller's CPU is the client's alone: yields the server's URL
+    and the child's pid (whose CPU is the server's); the child is killed as the block ends."""
+    here = Path(__file__).resolve().parent
+    code = _CHILD.format(peers=str(here), tests=str(here.parent.parent / "tests"), root=str(root), latency=latency)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        yield child.stdout.readline().strip(), child.pid
+    finally:
+        child.kill()
+        child.wait()

@@ -293,7 +293,7 @@ class FetchAhead:
                 if not room:
                     stop.wait(POLL)
                 elif full:  # woken by a fetch done, or by a batch that no longer needs its blocks
-                    fetchers.wait(POLL, lambda: _frontier(progress, mapped) > frontier)  # noqa: B023 - only within this wait
+                    fetchers.wait(POLL, _moved_past(frontier, progress, mapped))
                 else:
                     fetchers.wait(POLL)  # woken by a fetch done: the next starts at once
         except Exception:  # noqa: BLE001 - fetching ahead is an optimisation: the reader fetches what it needs
@@ -311,6 +311,11 @@ class FetchAhead:
 def _frontier(progress: Any, mapped: Callable[[], int]) -> int:
     """The first batch of the pass that still needs its blocks: neither received nor mapped by its decoder."""
     return max(progress.received, mapped())
+
+
+def _moved_past(frontier: int, progress: Any, mapped: Callable[[], int]) -> Callable[[], bool]:
+    """A call saying whether the frontier (:func:`_frontier`) has moved past ``frontier``."""
+    return lambda: _frontier(progress, mapped) > frontier
 
 
 def _at_most_every(seconds: float, ask: Callable[[], bool]) -> Callable[[], bool]:
